@@ -1,0 +1,53 @@
+"""luopan (落盘): atomic, verified, incremental persistence for AI runs.
+
+    import luopan
+    repo = luopan.open("ckpts")
+    info = repo.save("run-a", step=100, state=state, metrics={"loss": 0.52})
+    state = repo.load("run-a")
+"""
+
+from .checkpoint.repo import CheckpointInfo, Repo, VerifyReport, init, open
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigConflictError,
+    CorruptManifestError,
+    CorruptPackError,
+    CorruptRepoError,
+    IntegrityError,
+    InvalidNameError,
+    LuopanError,
+    MissingPackError,
+    RepoExistsError,
+    RepoNotFoundError,
+    StateMismatchError,
+    StorageFullError,
+    UnsupportedFormatError,
+    UnsupportedValueError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "ConfigConflictError",
+    "CorruptManifestError",
+    "CorruptPackError",
+    "CorruptRepoError",
+    "IntegrityError",
+    "InvalidNameError",
+    "LuopanError",
+    "MissingPackError",
+    "Repo",
+    "RepoExistsError",
+    "RepoNotFoundError",
+    "StateMismatchError",
+    "StorageFullError",
+    "UnsupportedFormatError",
+    "UnsupportedValueError",
+    "VerifyReport",
+    "init",
+    "open",
+]

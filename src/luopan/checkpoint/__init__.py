@@ -1,0 +1,1 @@
+"""Checkpoints: save, load and verify state trees in a repository."""

@@ -1,0 +1,32 @@
+"""A small ordered, bounded parallel map used by the save and load pipelines.
+
+Hashing (BLAKE3), zstd and file reads release the GIL, so two threads use both cores of a small machine. The
+window bounds how far ahead work is submitted, which bounds memory when items materialise host copies.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+WORKERS = max(2, min(8, os.cpu_count() or 2))
+
+
+def ordered_map(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T], window: int) -> Iterator[R]:
+    pending: deque[Future[R]] = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()

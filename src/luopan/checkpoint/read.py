@@ -1,0 +1,117 @@
+"""Reading chunks back: every chunk's BLAKE3 is checked as it is read (docs/format.md §10 rule 7)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import zstandard
+
+from ..errors import CorruptPackError, IntegrityError, MissingPackError
+from ..format.manifest import Manifest
+from ..format.names import pack_key
+from ..store.base import KeyNotFound, Store
+from .parallel import WORKERS, ordered_map
+
+_tls = threading.local()
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of one entry of one manifest, with what error messages need to name it."""
+
+    run: str
+    step: int
+    path: str
+    index: int  # chunk number within the entry
+    hash: str
+    pack: str
+    offset: int
+    length: int
+    size: int
+    codec: str
+
+    def where(self) -> str:
+        return (f"run {self.run!r} step {self.step} entry {self.path!r} chunk {self.index} "
+                f"(hash {self.hash[:16]}…, pack {self.pack[:16]}… offset {self.offset})")
+
+
+def chunk_refs(m: Manifest, entry_index: int) -> Iterator[tuple[int, ChunkRef]]:
+    """(byte offset within the entry, ChunkRef) for each chunk of an entry."""
+    e = m.entries[entry_index]
+    pos = 0
+    for n, (h, p, off, length, size, codec) in enumerate(e.get("chunks", [])):
+        yield pos, ChunkRef(m.run, m.step, e["path"], n, h, m.packs[p], off, length, size, codec)
+        pos += size
+
+
+def _scratch(size: int) -> memoryview:
+    buf = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _tls.buf = bytearray(size)
+    return memoryview(buf)[:size]
+
+
+def read_chunk(store: Store, ref: ChunkRef, out: memoryview) -> None:
+    """Read and verify one chunk into ``out`` (exactly ``ref.size`` bytes). Raises typed IntegrityErrors."""
+    key = pack_key(ref.pack)
+    try:
+        if ref.codec == "none":
+            got = store.read_into(key, ref.offset, out)
+            if got != ref.size:
+                raise CorruptPackError(f"pack truncated: {ref.where()} has {got} of {ref.size} bytes")
+        else:
+            data = store.get_range(key, ref.offset, ref.length)
+            if len(data) != ref.length:
+                raise CorruptPackError(f"pack truncated: {ref.where()} has {len(data)} of {ref.length} bytes")
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=ref.size)
+            except zstandard.ZstdError as exc:
+                raise CorruptPackError(f"corrupt compressed blob: {ref.where()}: {exc}") from None
+            if len(raw) != ref.size:
+                raise CorruptPackError(f"corrupt compressed blob: {ref.where()} decompressed to {len(raw)} bytes")
+            out[:] = raw
+    except KeyNotFound:
+        raise MissingPackError(f"missing pack: {ref.where()}: {key} is not in the repository") from None
+    actual = blake3.blake3(out).hexdigest()
+    if actual != ref.hash:
+        raise IntegrityError(f"hash mismatch: {ref.where()} reads as {actual[:16]}…; the stored bytes are damaged")
+
+
+def read_chunks(store: Store, jobs: list[tuple[ChunkRef, memoryview]]) -> None:
+    """Read and verify many chunks on both cores, each straight into its destination."""
+    def one(job: tuple[ChunkRef, memoryview]) -> None:
+        read_chunk(store, *job)
+
+    if len(jobs) <= 1:
+        for job in jobs:
+            one(job)
+        return
+    with ThreadPoolExecutor(WORKERS, "luopan-read") as pool:
+        for _ in ordered_map(pool, one, jobs, window=4 * WORKERS):
+            pass
+
+
+def verify_chunks(
+    store: Store, refs: list[ChunkRef], progress: Callable[[int], Any] | None = None
+) -> list[IntegrityError]:
+    """Read every chunk into scratch memory and check it; returns the problems found (does not raise them)."""
+    def one(ref: ChunkRef) -> tuple[int, IntegrityError | None]:
+        try:
+            read_chunk(store, ref, _scratch(ref.size))
+        except IntegrityError as exc:
+            return ref.size, exc
+        return ref.size, None
+
+    problems = []
+    with ThreadPoolExecutor(WORKERS, "luopan-verify") as pool:
+        for size, problem in ordered_map(pool, one, refs, window=4 * WORKERS):
+            if problem is not None:
+                problems.append(problem)
+            if progress is not None:
+                progress(size)
+    return problems

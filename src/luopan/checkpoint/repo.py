@@ -1,0 +1,444 @@
+"""The repository: the public verbs over a store (save, load, load_into, checkpoints, verify)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigConflictError,
+    CorruptRepoError,
+    IntegrityError,
+    RepoExistsError,
+    RepoNotFoundError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
+from ..format.canonical import canonical
+from ..format.config import CONFIG_KEY, Compression, RepoConfig
+from ..format.index import parse_index
+from ..format.manifest import Manifest, parse_manifest
+from ..format.names import (
+    check_run,
+    check_step,
+    manifest_key,
+    manifest_prefix,
+    step_from_manifest_key,
+)
+from ..format.pack import BlobLocation
+from ..store import Store, open_store
+from ..store.base import KeyNotFound
+from ..tree import flatten, new_array, unflatten
+from .read import ChunkRef, chunk_refs, read_chunk, read_chunks, verify_chunks
+from .save import write_checkpoint
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``Repo.checkpoints`` and ``Repo.save`` report about one committed checkpoint."""
+
+    run: str
+    step: int
+    created: str
+    metrics: dict[str, Any]
+    logical_bytes: int  # bytes of the state (tied tensors counted once)
+    new_bytes: int  # raw bytes of chunks this save added to the repository
+    stored_bytes: int  # bytes of pack files this save wrote (after compression, with framing)
+    chunks: int
+    new_chunks: int
+    fingerprint: str
+    manifest: str = field(repr=False)
+
+    @property
+    def dedup_ratio(self) -> float:
+        """logical bytes / bytes this save stored (inf when it stored nothing new)."""
+        return self.logical_bytes / self.stored_bytes if self.stored_bytes else float("inf")
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, key: str) -> CheckpointInfo:
+        s = m.stats
+        return cls(m.run, m.step, m.created, m.metrics, s["logical_bytes"], s["new_bytes"], s["stored_bytes"],
+                   s["chunks"], s["new_chunks"], m.doc["fingerprint"], key)
+
+
+def open(  # noqa: A001  (the public verb is luopan.open)
+    location: str | os.PathLike[str] | Store,
+    *,
+    create: bool = True,
+    chunk_size: int | None = None,
+    pack_size: int | None = None,
+    compression: str | Compression | None = None,
+) -> Repo:
+    """Open the repository at a path/URL, creating it (with the given options) when missing and ``create``.
+
+    Options apply at creation; on an existing repository, an option that differs from its config is an error.
+    """
+    store = open_store(location)
+    try:
+        config = RepoConfig.from_bytes(store.get(CONFIG_KEY), _where(store))
+    except KeyNotFound:
+        if not create:
+            raise RepoNotFoundError(
+                f"no luopan repository at {_where(store)}: create one with `luopan init -r {_where(store)}` "
+                "or luopan.open(path)"
+            ) from None
+        config = _create(store, chunk_size, pack_size, compression)
+    else:
+        wanted = {"chunk_size": chunk_size, "pack_size": pack_size,
+                  "compression": Compression.parse(compression) if compression is not None else None}
+        for name, value in wanted.items():
+            if value is not None and value != getattr(config, name):
+                raise ConfigConflictError(
+                    f"repository {_where(store)} has {name}={getattr(config, name)}, not {value}; "
+                    "options apply only when a repository is created"
+                )
+    store.cleanup_temporaries()
+    return Repo(store, config)
+
+
+def init(location: str | os.PathLike[str] | Store, **options: Any) -> Repo:
+    """Create a new repository; RepoExistsError if one is already there."""
+    store = open_store(location)
+    if store.exists(CONFIG_KEY):
+        raise RepoExistsError(f"a luopan repository already exists at {_where(store)}")
+    return open(store, **options)
+
+
+def _where(store: Store) -> str:
+    return store.describe()
+
+
+def _create(store: Store, chunk_size: int | None, pack_size: int | None,
+            compression: str | Compression | None) -> RepoConfig:
+    root = getattr(store, "root", None)
+    if root is not None and os.path.isdir(root) and any(os.scandir(root)):
+        raise RepoNotFoundError(
+            f"{root} exists, is not empty and is not a luopan repository: refusing to create one there; "
+            "choose an empty or new directory"
+        )
+    kwargs: dict[str, Any] = {"compression": Compression.parse(compression)}
+    if chunk_size is not None:
+        kwargs["chunk_size"] = chunk_size
+    if pack_size is not None:
+        kwargs["pack_size"] = pack_size
+    config = RepoConfig(**kwargs)
+    if not store.put_if_absent(CONFIG_KEY, config.to_bytes()):  # another process created it first
+        config = RepoConfig.from_bytes(store.get(CONFIG_KEY), _where(store))
+    return config
+
+
+class Repo:
+    """A luopan repository. Not safe for concurrent saves from several threads of one process."""
+
+    def __init__(self, store: Store, config: RepoConfig) -> None:
+        self.store = store
+        self.config = config
+        self._known: dict[str, BlobLocation] | None = None
+        self._indexes_seen: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"luopan.Repo({self.store.describe()!r})"
+
+    def __enter__(self) -> Repo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release resources. (Saves are synchronous in this version; nothing is pending.)"""
+
+    # -- saving -------------------------------------------------------------------------------------------------
+    def save(
+        self,
+        run: str,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> CheckpointInfo:
+        """Commit ``state`` as checkpoint ``step`` of ``run``; writes only chunks the repository lacks.
+
+        The checkpoint becomes visible atomically when its manifest is durable. Raises CheckpointExistsError if
+        the step exists (unless ``overwrite``), UnsupportedValueError for state luopan cannot store (naming the key
+        path), StorageFullError when the disk fills (nothing committed).
+        """
+        check_run(run)
+        check_step(step)
+        if not overwrite and self.store.exists(manifest_key(run, step)):
+            raise CheckpointExistsError(
+                f"run {run!r} already has a checkpoint at step {step}; pass overwrite=True to replace it"
+            )
+        _check_json("metadata", metadata, dict)
+        skeleton, leaves = flatten(state)
+        try:
+            from ..format.manifest import encode_metrics
+
+            encode_metrics(metrics)
+        except TypeError as exc:
+            raise UnsupportedValueError(f"bad metrics: {exc}") from None
+        known = self._chunk_index()
+        result = write_checkpoint(self.store, self.config, known, run, step, skeleton, leaves,
+                                  metrics, metadata, overwrite)
+        known.update(result.new_locations)
+        return CheckpointInfo.from_manifest(Manifest(result.doc, ""), result.manifest_key)
+
+    def _chunk_index(self) -> dict[str, BlobLocation]:
+        """Chunk hash → location from all index files (refreshed with index files new since the last call)."""
+        if self._known is None:
+            self._known = {}
+        for key in self.store.list("index/"):
+            if key in self._indexes_seen:
+                continue
+            try:
+                self._known.update(parse_index(self.store.get(key), key))
+            except CorruptRepoError as exc:
+                warnings.warn(f"{exc}; skipping it", stacklevel=3)
+            except KeyNotFound:
+                continue
+            self._indexes_seen.add(key)
+        return self._known
+
+    # -- listing ------------------------------------------------------------------------------------------------
+    def runs(self) -> list[str]:
+        names = set()
+        for key in self.store.list("runs/"):
+            parts = key.split("/")
+            if len(parts) == 4 and parts[2] == "ckpt" and step_from_manifest_key(key) is not None:
+                names.add(parts[1])
+        return sorted(names)
+
+    def steps(self, run: str) -> list[int]:
+        """Committed steps of ``run``, ascending (a checkpoint exists iff its manifest exists)."""
+        check_run(run)
+        steps = []
+        for key in self.store.list(manifest_prefix(run)):
+            if key.count("/") == 3:
+                s = step_from_manifest_key(key)
+                if s is not None:
+                    steps.append(s)
+        return sorted(steps)
+
+    def manifest(self, run: str, step: int | None = None) -> Manifest:
+        """The parsed, verified manifest of a checkpoint (latest = highest committed step when ``step`` is None)."""
+        check_run(run)
+        if step is None:
+            steps = self.steps(run)
+            if not steps:
+                raise CheckpointNotFoundError(self._no_checkpoint(run))
+            step = steps[-1]
+        check_step(step)
+        key = manifest_key(run, step)
+        try:
+            data = self.store.get(key)
+        except KeyNotFound:
+            raise CheckpointNotFoundError(self._no_checkpoint(run, step)) from None
+        return parse_manifest(data, key, run, step)
+
+    def _no_checkpoint(self, run: str, step: int | None = None) -> str:
+        steps = self.steps(run)
+        if not steps:
+            runs = self.runs()
+            have = f"runs here: {', '.join(runs)}" if runs else "the repository has no checkpoints yet"
+            return f"run {run!r} has no committed checkpoint ({have})"
+        shown = ", ".join(map(str, steps[-10:]))
+        return f"run {run!r} has no checkpoint at step {step}; committed steps: {shown}"
+
+    def checkpoints(self, run: str) -> list[CheckpointInfo]:
+        """Committed checkpoints of ``run``, oldest step first. A damaged manifest raises CorruptManifestError."""
+        out = []
+        for step in self.steps(run):
+            m = self.manifest(run, step)
+            out.append(CheckpointInfo.from_manifest(m, manifest_key(run, step)))
+        return out
+
+    # -- loading ------------------------------------------------------------------------------------------------
+    def load(self, run: str, step: int | None = None) -> Any:
+        """The state tree of a checkpoint (latest when ``step`` is None), every chunk verified as it is read."""
+        m = self.manifest(run, step)
+        objs: list[Any] = [None] * len(m.entries)
+        jobs: list[tuple[ChunkRef, memoryview]] = []
+        for i, e in enumerate(m.entries):
+            if "alias_of" in e:
+                continue
+            obj, view = new_array(e["kind"], e["dtype"], e["shape"])
+            objs[i] = obj
+            for pos, ref in chunk_refs(m, i):
+                jobs.append((ref, view[pos : pos + ref.size]))
+        read_chunks(self.store, jobs)
+        for i, e in enumerate(m.entries):
+            if "alias_of" in e:
+                objs[i] = objs[e["alias_of"]]
+            elif e.get("scalar"):
+                objs[i] = objs[i][()]
+        return unflatten(m.tree, objs.__getitem__)
+
+    def load_into(self, run: str, target: Any, step: int | None = None, *, strict: bool = True) -> Any:
+        """Restore a checkpoint into an existing state tree, in place (tensors are written, not replaced).
+
+        Every mismatch (missing/unexpected keys, shapes, dtypes) is checked and reported together before any
+        tensor is touched. Each chunk is verified before it is copied into the target, so a damaged chunk is
+        never written into it (an IntegrityError can still leave earlier tensors updated). With
+        ``strict=False``, keys present on only one side are skipped. Returns ``target``.
+        """
+        m = self.manifest(run, step)
+        stored = {e["path"]: (i, e) for i, e in enumerate(m.entries)}
+        _, leaves = flatten(target)
+        problems = []
+        plan = []
+        target_paths = set()
+        for leaf in leaves:
+            target_paths.add(leaf.path)
+            hit = stored.get(leaf.path)
+            if hit is None:
+                if strict:
+                    problems.append(f"missing in checkpoint: {leaf.path!r}")
+                continue
+            i, e = hit
+            if e["kind"] != leaf.kind or e["dtype"] != leaf.dtype or list(e["shape"]) != list(leaf.shape):
+                problems.append(
+                    f"{leaf.path!r}: checkpoint has {e['kind']} {e['dtype']}{tuple(e['shape'])}, "
+                    f"target has {leaf.kind} {leaf.dtype}{tuple(leaf.shape)}"
+                )
+                continue
+            if leaf.scalar:
+                problems.append(f"{leaf.path!r}: a NumPy scalar cannot be updated in place; use load()")
+                continue
+            plan.append((leaf, e.get("alias_of", i)))
+        if strict:
+            problems += [f"unexpected in checkpoint (not in target): {p!r}" for p in stored if p not in target_paths]
+        if problems:
+            raise StateMismatchError(
+                f"cannot load run {run!r} step {m.step} into the target ({len(problems)} problem(s)):\n  "
+                + "\n  ".join(problems)
+                + "\nfix the target, or pass strict=False to load only the keys both sides have"
+            )
+        for leaf, i in plan:
+            _copy_entry_into(self.store, m, i, leaf)
+        return target
+
+    # -- verification -------------------------------------------------------------------------------------------
+    def verify(
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        *,
+        progress: Callable[[int], Any] | None = None,
+        on_total: Callable[[int], Any] | None = None,
+    ) -> VerifyReport:
+        """Read every byte of the selected checkpoints and check every hash.
+
+        ``run=None``: all runs; ``step=None``: all checkpoints of the run. Each distinct chunk is read once. Raises
+        IntegrityError naming every damaged manifest, entry and chunk (``.problems`` lists them); returns a
+        VerifyReport when all is well.
+        """
+        if run is None and step is not None:
+            raise ValueError("verify: a step needs a run")
+        targets = [(r, s) for r in ([run] if run else self.runs()) for s in ([step] if step is not None
+                                                                             else self.steps(r))]
+        if run is not None and not targets:
+            raise CheckpointNotFoundError(self._no_checkpoint(run))
+        problems: list[IntegrityError] = []
+        refs: dict[str, ChunkRef] = {}
+        for r, s in targets:
+            try:
+                m = self.manifest(r, s)
+            except IntegrityError as exc:
+                problems.append(exc)
+                continue
+            for i in range(len(m.entries)):
+                for _pos, ref in chunk_refs(m, i):
+                    refs.setdefault(f"{ref.hash}/{ref.pack}/{ref.offset}", ref)
+        if on_total is not None:
+            on_total(sum(r.size for r in refs.values()))
+        problems += verify_chunks(self.store, list(refs.values()), progress)
+        report = VerifyReport(len(targets), len(refs), sum(r.size for r in refs.values()), problems)
+        if problems:
+            shown = "\n  ".join(str(p) for p in problems[:20])
+            more = f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else ""
+            err = IntegrityError(f"{len(problems)} problem(s) found:\n  {shown}{more}")
+            err.problems = problems  # type: ignore[attr-defined]
+            err.report = report  # type: ignore[attr-defined]
+            raise err
+        return report
+
+    def du(self) -> dict[str, int]:
+        """Logical bytes over all checkpoints vs physical bytes in the store."""
+        logical = 0
+        checkpoints = 0
+        for r in self.runs():
+            for info in self.checkpoints(r):
+                logical += info.logical_bytes
+                checkpoints += 1
+        sizes = {"packs": 0, "index": 0, "runs": 0, "refs": 0}
+        for top in sizes:
+            for key in self.store.list(top + "/"):
+                try:
+                    sizes[top] += self.store.size(key)
+                except KeyNotFound:
+                    pass
+        physical = sum(sizes.values())
+        return {"checkpoints": checkpoints, "logical_bytes": logical, "physical_bytes": physical,
+                "pack_bytes": sizes["packs"], "index_bytes": sizes["index"], "manifest_bytes": sizes["runs"],
+                "ref_bytes": sizes["refs"]}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    checkpoints: int
+    chunks: int
+    bytes: int
+    problems: list[IntegrityError]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _copy_entry_into(store: Store, m: Manifest, entry_index: int, leaf: Any) -> None:
+    """Read one entry's verified chunks into an existing tensor/array."""
+    import numpy as np
+
+    dest = leaf.obj
+    direct = None
+    if leaf.kind == "numpy" and dest.flags.c_contiguous and dest.flags.writeable:
+        direct = memoryview(dest.reshape(-1).view(np.uint8))
+    elif leaf.kind == "torch" and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() \
+            and not dest.is_neg():
+        import torch
+
+        direct = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
+    if direct is not None:
+        for pos, ref in chunk_refs(m, entry_index):
+            scratch = bytearray(ref.size)
+            read_chunk(store, ref, memoryview(scratch))
+            direct[pos : pos + ref.size] = scratch
+        return
+    e = m.entries[entry_index]
+    fresh, view = new_array(e["kind"], e["dtype"], e["shape"])
+    read_chunks(store, [(ref, view[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)])
+    if leaf.kind == "torch":
+        with __import__("torch").no_grad():
+            dest.copy_(fresh)
+    else:
+        dest[...] = fresh
+
+
+def _check_json(name: str, value: Any, kind: type) -> None:
+    if value is None:
+        return
+    if not isinstance(value, kind):
+        raise UnsupportedValueError(f"{name} must be a {kind.__name__} of JSON values, got {type(value).__name__}")
+    try:
+        canonical(value)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(
+            f"{name} must hold only JSON values (str, finite numbers, bool, None, lists, dicts): {exc}"
+        ) from None

@@ -1,0 +1,232 @@
+"""The save pipeline: chunk → hash (both cores) → dedup → pack → index → manifest → ref (docs/format.md §10)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import blake3
+import zstandard
+
+from .._crash import crashpoint
+from ..format import FORMAT_VERSION
+from ..errors import CheckpointExistsError
+from ..format.canonical import seal, sealed_checksum
+from ..format.chunking import chunk_spans
+from ..format.config import RepoConfig
+from ..format.index import build_index
+from ..format.manifest import encode_metrics, seal_manifest, structure_fingerprint
+from ..format.names import index_key, latest_ref_key, manifest_key, pack_key
+from ..format.pack import BlobLocation, PackBuilder
+from ..store.base import Store
+from ..tree import Leaf
+from .environment import code_version, environment
+from .parallel import WORKERS, ordered_map
+
+_tls = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    c = getattr(_tls, "zstd", None)
+    if c is None or _tls.zstd_level != level:
+        c = _tls.zstd = zstandard.ZstdCompressor(level=level)
+        _tls.zstd_level = level
+    return c
+
+
+@dataclass
+class SaveResult:
+    manifest_key: str
+    doc: dict[str, Any]
+    new_locations: dict[str, BlobLocation]
+
+
+@dataclass
+class _PackWriter:
+    """Builds packs and writes each full one on a background thread (one write in flight)."""
+
+    store: Store
+    pack_size: int
+    builder: PackBuilder = field(default_factory=PackBuilder)
+    written: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # pack id -> blob records
+    stored_bytes: int = 0
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "luopan-pack"))
+    _inflight: Future[None] | None = None
+
+    def add(self, chunk_hash: str, stored: memoryview, size: int, codec: str) -> tuple[PackBuilder, int]:
+        """Append a blob; returns its builder (whose pack_id is set once flushed) and offset."""
+        b = self.builder
+        off = b.add(chunk_hash, stored, size, codec)
+        if b.nbytes >= self.pack_size:
+            self.flush()
+        return b, off
+
+    def flush(self) -> None:
+        b = self.builder
+        if not b.blobs:
+            return
+        self.builder = PackBuilder()
+        pack_id, parts, total = b.finish()
+        self._wait()
+        self.written[pack_id] = b.blobs
+        self.stored_bytes += total
+        self._inflight = self._pool.submit(self.store.put_if_absent, pack_key(pack_id), parts)
+
+    def _wait(self) -> None:
+        if self._inflight is not None:
+            f, self._inflight = self._inflight, None
+            f.result()
+
+    def finish(self) -> None:
+        self.flush()
+        self._wait()
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        except BaseException:
+            pass
+        self._pool.shutdown(wait=True)
+
+    def discard(self) -> None:
+        """Remove packs this save wrote (only before any index names them)."""
+        for pack_id in self.written:
+            try:
+                self.store.delete(pack_key(pack_id))
+            except OSError:
+                pass
+
+
+def write_checkpoint(
+    store: Store,
+    config: RepoConfig,
+    known: dict[str, BlobLocation],
+    run: str,
+    step: int,
+    skeleton: dict[str, Any],
+    leaves: list[Leaf],
+    metrics: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    overwrite: bool,
+) -> SaveResult:
+    """Write the chunks the store lacks, then index, manifest and ref. Returns the committed manifest.
+
+    Raises CheckpointExistsError (via the caller's check) only before writing; on any failure before the index
+    file is durable, the packs this save wrote are deleted again (nothing can reference them yet).
+    """
+    chunk_size = config.chunk_size
+    codec = config.compression.codec
+    level = config.compression.level
+    writer = _PackWriter(store, config.pack_size)
+    # hash -> (builder, offset, stored length, raw size, codec) for chunks this save adds
+    new: dict[str, tuple[PackBuilder, int, int, int, str]] = {}
+    entries: list[dict[str, Any]] = []
+    rows: list[list[tuple[str, int]]] = []  # per entry: (hash, raw size) per chunk
+    new_bytes = 0
+
+    for leaf in leaves:
+        e: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "dtype": leaf.dtype,
+                             "shape": list(leaf.shape), "nbytes": leaf.nbytes}
+        if leaf.scalar:
+            e["scalar"] = True
+        if leaf.alias_of is not None:
+            e["alias_of"] = leaf.alias_of
+        entries.append(e)
+        rows.append([])
+
+    def items():
+        for i, leaf in enumerate(leaves):
+            if leaf.alias_of is not None:
+                continue
+            data = leaf.host_bytes()
+            mode, spans = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)
+            entries[i]["chunking"] = mode
+            for off, length in spans:
+                yield i, data[off : off + length]
+
+    def work(item: tuple[int, memoryview]) -> tuple[int, str, memoryview, int, str]:
+        i, view = item
+        h = blake3.blake3(view).hexdigest()
+        if codec == "zstd" and h not in known:
+            z = _compressor(level).compress(view)
+            if len(z) < len(view):
+                return i, h, memoryview(z), len(view), "zstd"
+        return i, h, view, len(view), "none"
+
+    try:
+        with ThreadPoolExecutor(WORKERS, "luopan-hash") as pool:
+            for i, h, stored, size, blob_codec in ordered_map(pool, work, items(), window=2 * WORKERS):
+                rows[i].append((h, size))
+                if h in known or h in new:
+                    continue
+                builder, off = writer.add(h, stored, size, blob_codec)
+                new[h] = (builder, off, len(stored), size, blob_codec)
+                new_bytes += size
+                crashpoint("chunk.written")
+        writer.finish()
+        index_id = None
+        if writer.written:
+            index_id, index_bytes = build_index(writer.written)
+            store.put_if_absent(index_key(index_id), index_bytes)
+    except BaseException:
+        writer.close()
+        writer.discard()
+        raise
+    writer.close()
+
+    # Manifest: every chunk of every entry with its location (self-contained, no chains).
+    pack_ids: dict[str, int] = {}
+    new_locations: dict[str, BlobLocation] = {}
+    for h, (builder, off, length, size, blob_codec) in new.items():
+        assert builder.pack_id is not None
+        new_locations[h] = BlobLocation(builder.pack_id, off, length, size, blob_codec)
+    for i, e in enumerate(entries):
+        if "alias_of" in e:
+            continue
+        chunks = []
+        for h, _size in rows[i]:
+            loc = new_locations.get(h) or known[h]
+            p = pack_ids.setdefault(loc.pack, len(pack_ids))
+            chunks.append([h, p, loc.offset, loc.length, loc.size, loc.codec])
+        e["chunks"] = chunks
+        e.setdefault("chunking", "flat")
+
+    doc: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "run": run,
+        "step": step,
+        "created": datetime.now(timezone.utc).isoformat(),
+        "metrics": encode_metrics(metrics),
+        "metadata": dict(metadata or {}),
+        "environment": environment(),
+        "fingerprint": structure_fingerprint(entries),
+        "packs": list(pack_ids),
+        "entries": entries,
+        "tree": skeleton,
+        "stats": {
+            "logical_bytes": sum(e["nbytes"] for e in entries if "alias_of" not in e),
+            "chunks": sum(len(r) for r in rows),
+            "new_chunks": len(new),
+            "new_bytes": new_bytes,
+            "stored_bytes": writer.stored_bytes,
+            "new_packs": len(writer.written),
+        },
+    }
+    code = code_version()
+    if code is not None:
+        doc["code"] = code
+    data = seal_manifest(doc)  # raises on metadata that is not JSON
+    mkey = manifest_key(run, step)
+    if overwrite:
+        store.put(mkey, data)
+    elif not store.put_if_absent(mkey, data):
+        raise CheckpointExistsError(
+            f"run {run!r} step {step} was committed by another writer during this save; "
+            "pass overwrite=True to replace it"
+        )
+    ref = {"manifest": mkey, "manifest_checksum": sealed_checksum(data), "step": step}
+    store.put(latest_ref_key(run), seal(ref))
+    return SaveResult(mkey, doc, new_locations)

@@ -1,0 +1,84 @@
+"""The luopan exception hierarchy.
+
+Every error a user can cause or meet derives from `LuopanError` and from the built-in exception it resembles, so
+callers can catch either. The CLI maps `LuopanError` subclasses to exit codes; anything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class LuopanError(Exception):
+    """Base of every user-facing luopan error."""
+
+    exit_code = 1
+
+
+class InvalidNameError(LuopanError, ValueError):
+    """A run name, step or key path is not valid."""
+
+
+class RepoNotFoundError(LuopanError, FileNotFoundError):
+    """No luopan repository at the given location."""
+
+    exit_code = 4
+
+
+class RepoExistsError(LuopanError, FileExistsError):
+    """`init` on a location that already holds a repository."""
+
+
+class ConfigConflictError(LuopanError, ValueError):
+    """Options given to `open` conflict with the existing repository's config."""
+
+
+class CheckpointNotFoundError(LuopanError, KeyError, LookupError):
+    """The run or step asked for has no committed checkpoint."""
+
+    exit_code = 4
+
+    def __str__(self) -> str:  # KeyError would otherwise print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointExistsError(LuopanError, FileExistsError):
+    """Saving a step that already has a committed checkpoint without `overwrite=True`."""
+
+
+class UnsupportedValueError(LuopanError, TypeError):
+    """A state tree holds something luopan refuses to store (it never pickles)."""
+
+
+class StateMismatchError(LuopanError, ValueError):
+    """`load_into` target does not match the checkpoint (keys, shapes, dtypes)."""
+
+
+class UnsupportedFormatError(LuopanError, RuntimeError):
+    """The repository or a file in it has a newer format_version than this luopan reads."""
+
+    exit_code = 5
+
+
+class StorageFullError(LuopanError, OSError):
+    """The store ran out of space during a save; nothing partial was committed."""
+
+
+class IntegrityError(LuopanError, ValueError):
+    """Stored data does not match its recorded hash or structure."""
+
+    exit_code = 3
+
+
+class CorruptPackError(IntegrityError):
+    """A pack file is truncated or damaged."""
+
+
+class MissingPackError(IntegrityError, FileNotFoundError):
+    """A pack a manifest needs is not in the store."""
+
+
+class CorruptManifestError(IntegrityError):
+    """A manifest cannot be parsed, fails its checksum or its schema."""
+
+
+class CorruptRepoError(IntegrityError):
+    """The repository config, an index file or a ref is damaged."""

@@ -1,0 +1,3 @@
+"""The on-disk format (docs/format.md): canonical JSON, config, chunking, packs, index files, manifests."""
+
+FORMAT_VERSION = 1

@@ -1,0 +1,54 @@
+"""Canonical JSON and sealed JSON (docs/format.md §4)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import blake3
+
+CHECKSUM_FIELD = "checksum"
+
+
+class SealError(ValueError):
+    """A sealed JSON document is unparsable or its checksum does not match."""
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def seal(obj: dict[str, Any]) -> bytes:
+    """Canonical JSON of ``obj`` with a ``checksum`` member over the rest."""
+    body = {k: v for k, v in obj.items() if k != CHECKSUM_FIELD}
+    return canonical({**body, CHECKSUM_FIELD: "blake3:" + digest(canonical(body))})
+
+
+def unseal(data: bytes) -> dict[str, Any]:
+    """Parse sealed JSON, verify and drop its checksum. Raises SealError on any damage."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SealError(f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise SealError("not a JSON object")
+    recorded = obj.pop(CHECKSUM_FIELD, None)
+    if not isinstance(recorded, str):
+        raise SealError("no checksum member")
+    try:
+        actual = "blake3:" + digest(canonical(obj))
+    except ValueError as exc:  # e.g. NaN tokens, which canonical JSON never contains
+        raise SealError(f"not canonical JSON ({exc})") from None
+    if actual != recorded:
+        raise SealError(f"checksum mismatch (recorded {recorded}, computed {actual})")
+    return obj
+
+
+def sealed_checksum(data: bytes) -> str:
+    """The checksum recorded in sealed bytes (for refs that pin a manifest); unverified."""
+    obj = json.loads(data)
+    return str(obj.get(CHECKSUM_FIELD, ""))

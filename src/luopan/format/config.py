@@ -1,0 +1,83 @@
+"""Repository config, ``luopan.json`` (docs/format.md §3)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ..errors import ConfigConflictError, CorruptRepoError, UnsupportedFormatError
+from . import FORMAT_VERSION
+from .canonical import SealError, seal, unseal
+
+CONFIG_KEY = "luopan.json"
+DEFAULT_CHUNK_SIZE = 4 << 20  # docs/format.md §3: 7.5 vs 5.7 GB/s two-thread BLAKE3 over 1 MiB chunks
+DEFAULT_PACK_SIZE = 64 << 20
+CODECS = ("none", "zstd")
+
+
+@dataclass(frozen=True)
+class Compression:
+    codec: str = "none"
+    level: int = 3
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ConfigConflictError(f"unknown compression codec {self.codec!r}: use one of {', '.join(CODECS)}")
+        if self.codec == "zstd" and not 1 <= self.level <= 22:
+            raise ConfigConflictError(f"zstd level {self.level} out of range: use 1..22")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"codec": "none"} if self.codec == "none" else {"codec": "zstd", "level": self.level}
+
+    @classmethod
+    def parse(cls, value: str | Compression | None) -> Compression:
+        """``"none"``, ``"zstd"`` or ``"zstd:5"``."""
+        if value is None or isinstance(value, Compression):
+            return value or cls()
+        codec, _, level = value.partition(":")
+        return cls(codec, int(level) if level else 3)
+
+
+@dataclass(frozen=True)
+class RepoConfig:
+    repo_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    pack_size: int = DEFAULT_PACK_SIZE
+    compression: Compression = Compression()
+    format_version: int = FORMAT_VERSION
+    hash: str = "blake3"
+
+    def __post_init__(self) -> None:
+        if not (4096 <= self.chunk_size <= 1 << 30):
+            raise ConfigConflictError(f"chunk_size {self.chunk_size} out of range: use 4 KiB .. 1 GiB")
+        if self.pack_size < self.chunk_size:
+            raise ConfigConflictError(f"pack_size {self.pack_size} must be at least chunk_size {self.chunk_size}")
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["compression"] = self.compression.to_json()
+        return seal(d)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> RepoConfig:
+        try:
+            version = json.loads(data).get("format_version")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            version = None
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"repository {where} has format_version {version}, newer than this luopan reads ({FORMAT_VERSION}); "
+                "upgrade luopan (pip install -U luopan)"
+            )
+        try:
+            d = unseal(data)
+            comp = d.pop("compression")
+            if d.get("hash") != "blake3":
+                raise ValueError(f"unknown hash {d.get('hash')!r}")
+            return cls(compression=Compression(comp["codec"], comp.get("level", 3)), **d)
+        except (SealError, KeyError, TypeError, ValueError) as exc:
+            raise CorruptRepoError(f"repository config {where} is damaged: {exc}") from None

@@ -1,0 +1,160 @@
+"""Checkpoint manifests: build, seal, parse and validate (docs/format.md §8)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from ..errors import CorruptManifestError, UnsupportedFormatError
+from . import FORMAT_VERSION
+from .canonical import SealError, canonical, digest, seal, unseal
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+@cache
+def _validator() -> Any:
+    import jsonschema
+
+    schema = json.loads(resources.files(__package__).joinpath("manifest.schema.json").read_text())
+    return jsonschema.Draft202012Validator(schema)
+
+
+def encode_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str):
+            raise TypeError(f"metric names must be str, got {k!r}")
+        if hasattr(v, "item") and callable(v.item):  # 0-d tensors and NumPy scalars
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            v = "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+        elif v is not None and not isinstance(v, (int, float, str, bool)):
+            raise TypeError(f"metric {k!r} must be a number, str, bool or None, got {type(v).__name__}")
+        out[k] = v
+    return out
+
+
+def decode_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in metrics.items()}
+
+
+def structure_fingerprint(entries: list[dict[str, Any]]) -> str:
+    rows = [[e["path"], e["kind"], e["dtype"], list(e["shape"])] for e in entries]
+    return "blake3:" + digest(canonical(rows))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest. ``doc`` is the JSON object (without its checksum)."""
+
+    doc: dict[str, Any]
+    checksum: str
+
+    @property
+    def run(self) -> str:
+        return self.doc["run"]
+
+    @property
+    def step(self) -> int:
+        return self.doc["step"]
+
+    @property
+    def created(self) -> str:
+        return self.doc["created"]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return decode_metrics(self.doc["metrics"])
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        return self.doc["entries"]
+
+    @property
+    def packs(self) -> list[str]:
+        return self.doc["packs"]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.doc["stats"]
+
+    @property
+    def tree(self) -> dict[str, Any]:
+        return self.doc["tree"]
+
+    def entry(self, path: str) -> dict[str, Any]:
+        for e in self.entries:
+            if e["path"] == path:
+                return e
+        raise KeyError(path)
+
+
+def seal_manifest(doc: dict[str, Any]) -> bytes:
+    return seal(doc)
+
+
+def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | None = None) -> Manifest:
+    """Parse and fully validate manifest bytes read from ``where``; typed errors name the file."""
+    try:
+        version = json.loads(data).get("format_version")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        version = None
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{where} has format_version {version}, newer than this luopan reads ({FORMAT_VERSION}); "
+            "upgrade luopan (pip install -U luopan)"
+        )
+    try:
+        doc = unseal(data)
+    except SealError as exc:
+        raise CorruptManifestError(f"manifest {where} is damaged: {exc}") from None
+    checksum = json.loads(data)["checksum"]
+    errors = sorted(_validator().iter_errors(doc), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        loc = "/".join(str(p) for p in e.path) or "<root>"
+        raise CorruptManifestError(f"manifest {where} does not match the schema at {loc}: {e.message}")
+    _check_consistency(doc, where)
+    if run is not None and (doc["run"], doc["step"]) != (run, step):
+        raise CorruptManifestError(
+            f"manifest {where} names run {doc['run']!r} step {doc['step']}, not its location's {run!r} step {step}"
+        )
+    return Manifest(doc, checksum)
+
+
+def _check_consistency(doc: dict[str, Any], where: str) -> None:
+    npacks = len(doc["packs"])
+    entries = doc["entries"]
+    for i, e in enumerate(entries):
+        if "alias_of" in e:
+            j = e["alias_of"]
+            if j >= i or "alias_of" in entries[j]:
+                raise CorruptManifestError(f"manifest {where}: entry {e['path']!r} aliases an invalid entry {j}")
+            continue
+        total = 0
+        for c in e["chunks"]:
+            if c[1] >= npacks:
+                raise CorruptManifestError(f"manifest {where}: entry {e['path']!r} names pack #{c[1]} of {npacks}")
+            total += c[4]
+        if total != e["nbytes"]:
+            raise CorruptManifestError(
+                f"manifest {where}: entry {e['path']!r} chunks hold {total} bytes, expected {e['nbytes']}"
+            )
+
+    def walk(node: dict[str, Any]) -> None:
+        (tag, value), = node.items()
+        if tag in ("dict",):
+            for _k, v in value:
+                walk(v)
+        elif tag in ("list", "tuple"):
+            for v in value:
+                walk(v)
+        elif tag == "entry" and value >= len(entries):
+            raise CorruptManifestError(f"manifest {where}: tree names entry #{value} of {len(entries)}")
+
+    walk(doc["tree"])

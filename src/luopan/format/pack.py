@@ -1,0 +1,88 @@
+"""Pack files: many blobs plus a trailer index (docs/format.md §6)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from .canonical import canonical
+
+MAGIC = b"LUOPANPK"
+TRAILER_MAGIC = b"LPIX"
+PACK_VERSION = 1
+HEADER = MAGIC + struct.pack("<II", PACK_VERSION, 0)
+HEADER_SIZE = len(HEADER)  # 16
+FOOTER_SIZE = 12  # u64 trailer length + magic
+
+
+@dataclass(frozen=True)
+class BlobLocation:
+    """Where a chunk lives: pack id, offset and stored length in the pack, raw size, codec."""
+
+    pack: str
+    offset: int
+    length: int
+    size: int
+    codec: str
+
+
+@dataclass
+class PackBuilder:
+    """Collects blobs (zero-copy references) until the pack is big enough, then lays out the file."""
+
+    parts: list[memoryview] = field(default_factory=list)
+    blobs: list[dict[str, Any]] = field(default_factory=list)
+    offset: int = HEADER_SIZE
+    pack_id: str | None = None  # set by finish()
+
+    def add(self, chunk_hash: str, stored: memoryview, size: int, codec: str) -> int:
+        """Append a blob; returns its offset in the pack."""
+        off = self.offset
+        self.parts.append(stored)
+        self.blobs.append({"codec": codec, "hash": chunk_hash, "length": len(stored), "offset": off, "size": size})
+        self.offset += len(stored)
+        return off
+
+    @property
+    def nbytes(self) -> int:
+        return self.offset
+
+    def finish(self) -> tuple[str, list[memoryview], int]:
+        """(pack id, the file's parts in order, total file size)."""
+        trailer = canonical({"blobs": self.blobs, "version": PACK_VERSION})
+        pack_id = self.pack_id = blake3.blake3(trailer).hexdigest()
+        footer = struct.pack("<Q", len(trailer)) + TRAILER_MAGIC
+        parts = [memoryview(HEADER), *self.parts, memoryview(trailer), memoryview(footer)]
+        return pack_id, parts, self.offset + len(trailer) + len(footer)
+
+
+class PackFormatError(ValueError):
+    """A pack's header, footer or trailer is damaged."""
+
+
+def parse_trailer(head: bytes, tail: bytes, file_size: int) -> tuple[str, list[dict[str, Any]]]:
+    """Parse a pack's trailer given its first 16 bytes and its last bytes (which must contain the trailer).
+
+    Returns (pack id computed from the trailer, blob records). Raises PackFormatError on damage.
+    """
+    if head[:8] != MAGIC:
+        raise PackFormatError("bad pack header magic")
+    (version,) = struct.unpack("<I", head[8:12])
+    if version > PACK_VERSION:
+        raise PackFormatError(f"pack format version {version} is newer than supported ({PACK_VERSION})")
+    if len(tail) < FOOTER_SIZE or tail[-4:] != TRAILER_MAGIC:
+        raise PackFormatError("bad pack footer (truncated?)")
+    (tlen,) = struct.unpack("<Q", tail[-12:-4])
+    if tlen + FOOTER_SIZE + HEADER_SIZE > file_size or tlen + FOOTER_SIZE > len(tail):
+        raise PackFormatError("pack trailer length out of range")
+    trailer = tail[-(tlen + FOOTER_SIZE) : -FOOTER_SIZE]
+    try:
+        obj = json.loads(trailer)
+        blobs = obj["blobs"]
+    except (ValueError, KeyError, TypeError):
+        raise PackFormatError("pack trailer is not a valid index") from None
+    return blake3.blake3(trailer).hexdigest(), blobs

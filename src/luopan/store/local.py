@@ -1,0 +1,256 @@
+"""Local filesystem store with the atomic-write rules of docs/format.md §10.
+
+Every write: temp file in the destination directory → write → fsync(file) → rename (``put``) or no-replace hard
+link (``put_if_absent``) → fsync(directory). Temp names carry host and pid so that ``cleanup_temporaries`` removes
+only leftovers of dead writers, never a live writer's file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+
+from .._crash import crashpoint
+from ..errors import StorageFullError
+from .base import Data, KeyNotFound, Store, as_parts
+
+TMP_MARK = ".tmp-"
+STALE_TMP_SECONDS = 24 * 3600
+_IOV_MAX = 1024
+_HOST = socket.gethostname().replace("-", "_")
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _crash_kind(key: str) -> str:
+    top = key.split("/", 1)[0]
+    return {"packs": "pack", "index": "index", "runs": "manifest", "refs": "ref"}.get(top, "file")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LocalStore(Store):
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self._dirs: set[str] = set()
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        if not key or key.startswith("/") or "\\" in key or "\0" in key or ".." in key.split("/"):
+            raise ValueError(f"invalid store key {key!r}")
+        return os.path.join(self.root, *key.split("/"))
+
+    def _ensure_dir(self, d: str) -> None:
+        if d in self._dirs:
+            return
+        if not os.path.isdir(d):
+            parent = os.path.dirname(d)
+            self._ensure_dir(parent)
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                pass
+            else:
+                _fsync_dir(parent)  # the new directory entry must survive a crash too
+        self._dirs.add(d)
+
+    def _write_temp(self, path: str, data: Data, kind: str) -> str:
+        d = os.path.dirname(path)
+        self._ensure_dir(d)
+        tmp = f"{path}{TMP_MARK}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        parts = as_parts(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                i = 0
+                while i < len(parts):
+                    batch = parts[i : i + _IOV_MAX]
+                    n = os.writev(fd, batch)
+                    # advance past what was written (writev may be short)
+                    while batch and n >= len(batch[0]):
+                        n -= len(batch[0])
+                        batch.pop(0)
+                        i += 1
+                    if batch and n:
+                        parts[i] = parts[i][n:]
+                crashpoint(f"{kind}.written")
+                os.fsync(fd)
+                crashpoint(f"{kind}.fsynced")
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            if exc.errno in _FULL_ERRNOS:
+                raise StorageFullError(
+                    f"no space left on {self.root!r} while writing {os.path.basename(path)}: nothing was committed; "
+                    "free space (e.g. delete old checkpoints) and save again"
+                ) from exc
+            raise
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    # -- primitives ---------------------------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise KeyNotFound(key) from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise KeyNotFound(key) from None
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise KeyNotFound(key) from None
+        try:
+            got = 0
+            while got < len(out):
+                n = os.preadv(fd, [out[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, data: Data) -> None:
+        path = self._path(key)
+        kind = _crash_kind(key)
+        tmp = self._write_temp(path, data, kind)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        crashpoint(f"{kind}.renamed")
+        _fsync_dir(os.path.dirname(path))
+        crashpoint(f"{kind}.dirsynced")
+
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        path = self._path(key)
+        if os.path.exists(path):
+            return False
+        kind = _crash_kind(key)
+        tmp = self._write_temp(path, data, kind)
+        try:
+            try:
+                os.link(tmp, path)  # atomic and never replaces an existing file
+            except FileExistsError:
+                return False
+            except OSError as exc:  # filesystems without hard links: exists-check + rename
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                if os.path.exists(path):
+                    return False
+                os.rename(tmp, path)
+            crashpoint(f"{kind}.renamed")
+        finally:
+            _unlink_quietly(tmp)
+        _fsync_dir(os.path.dirname(path))
+        crashpoint(f"{kind}.dirsynced")
+        return True
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        _fsync_dir(os.path.dirname(path))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        if not os.path.isdir(base):
+            return
+        stack = [base]
+        while stack:
+            d = stack.pop()
+            try:
+                it = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            for e in it:
+                if TMP_MARK in e.name:
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                else:
+                    yield os.path.relpath(e.path, self.root).replace(os.sep, "/")
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            raise KeyNotFound(key) from None
+
+    # -- conveniences -------------------------------------------------------------------------------------------
+    def cleanup_temporaries(self) -> int:
+        removed = 0
+        now = time.time()
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                if TMP_MARK not in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                owner = name.rsplit(TMP_MARK, 1)[1].split("-")
+                try:
+                    host, pid = owner[0], int(owner[1])
+                    mtime = os.stat(path).st_mtime
+                except (IndexError, ValueError, FileNotFoundError):
+                    continue
+                dead = host == _HOST and not _pid_alive(pid)
+                if dead or now - mtime > STALE_TMP_SECONDS:
+                    _unlink_quietly(path)
+                    removed += 1
+        return removed
+
+    def free_bytes(self) -> int | None:
+        try:
+            return shutil.disk_usage(self.root).free
+        except OSError:
+            return None
+
+    def describe(self) -> str:
+        return self.root
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,211 @@
+"""State trees: flatten to a JSON skeleton plus tensor leaves, and build them back (docs/format.md §8 `tree`).
+
+Nothing here pickles. Containers are dicts (string or integer keys), lists and tuples; leaves are NumPy arrays and
+scalars, torch tensors, and JSON scalars. Anything else is refused with the key path and a way to convert it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import LuopanError, UnsupportedValueError
+from .format.names import join_path
+
+_NUMPY_KINDS = "biufc"
+
+
+@dataclass
+class Leaf:
+    """One tensor entry of a flattened tree."""
+
+    path: str
+    kind: str  # "numpy" | "torch"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    obj: Any  # the array/tensor itself
+    alias_of: int | None = None
+    scalar: bool = False  # a NumPy scalar (np.float32(1.0)), returned as such on load
+
+    def host_bytes(self) -> memoryview:
+        """The entry's raw C-order bytes in host memory, as a flat byte view (copies only when it must)."""
+        if self.kind == "torch":
+            return _torch_host_bytes(self.obj)
+        arr = np.ascontiguousarray(self.obj)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def torch_dtype_name(dtype: Any) -> str:
+    return str(dtype).split(".", 1)[1]
+
+
+def _torch_host_bytes(t: Any) -> memoryview:
+    torch = _torch()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _refuse(path: str, what: str, how: str) -> UnsupportedValueError:
+    where = path or "<root>"
+    return UnsupportedValueError(f"cannot save {what} at key path {where!r}: {how}")
+
+
+def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
+    """(skeleton, leaves). Tensors that are the same object view (tied weights) become aliases of the first."""
+    leaves: list[Leaf] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    torch = _torch()
+    active: set[int] = set()  # container ids on the current path, to refuse cycles
+
+    def leaf(path: str, value: Any, kind: str, identity: tuple[Any, ...] | None, **kw: Any) -> dict[str, Any]:
+        if identity is not None and identity in seen:
+            first = leaves[seen[identity]]
+            leaves.append(Leaf(path, kind, first.dtype, first.shape, first.nbytes, value, alias_of=seen[identity]))
+            return {"entry": len(leaves) - 1}
+        if identity is not None:
+            seen[identity] = len(leaves)
+        leaves.append(Leaf(path=path, kind=kind, obj=value, **kw))
+        return {"entry": len(leaves) - 1}
+
+    def walk(value: Any, path: str) -> dict[str, Any]:
+        if isinstance(value, np.generic):  # before float: np.float64 subclasses float
+            return walk_numpy(np.asarray(value), path, scalar=True)
+        if value is None:
+            return {"none": None}
+        if isinstance(value, bool):
+            return {"bool": value}
+        if isinstance(value, int):
+            return {"int": value}
+        if isinstance(value, float):
+            return {"float": value if math.isfinite(value) else repr(value)}
+        if isinstance(value, str):
+            return {"str": value}
+        if torch is not None and isinstance(value, torch.Tensor):
+            return walk_torch(value, path)
+        if isinstance(value, np.ndarray):
+            return walk_numpy(value, path, scalar=False)
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in active:
+                raise _refuse(path, "a container that contains itself", "break the reference cycle")
+            active.add(id(value))
+            try:
+                return walk_container(value, path)
+            finally:
+                active.discard(id(value))
+        raise _refuse(
+            path,
+            f"an object of type {type(value).__module__}.{type(value).__qualname__}",
+            "luopan stores only tensors, NumPy arrays and JSON values (no pickle); convert it, e.g. "
+            "obj.state_dict(), dataclasses.asdict(obj), a tensor, or str(obj)",
+        )
+
+    def walk_container(value: Any, path: str) -> dict[str, Any]:
+        if isinstance(value, dict):
+            items = []
+            for k, v in value.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise _refuse(
+                        join_path(path, str(k)),
+                        f"a dict key of type {type(k).__name__} ({k!r})",
+                        "dict keys must be str or int; convert the key, e.g. str(key)",
+                    )
+                items.append([k, walk(v, join_path(path, k))])
+            return {"dict": items}
+        if type(value) is list:
+            return {"list": [walk(v, join_path(path, i)) for i, v in enumerate(value)]}
+        if type(value) is tuple:
+            return {"tuple": [walk(v, join_path(path, i)) for i, v in enumerate(value)]}
+        raise _refuse(
+            path,
+            f"a {type(value).__qualname__} (a list/tuple subclass)",
+            "convert it to a plain tuple/list, or a namedtuple to a dict with x._asdict()",
+        )
+
+    def walk_numpy(arr: np.ndarray, path: str, scalar: bool) -> dict[str, Any]:
+        if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.fields is not None:
+            raise _refuse(
+                path,
+                f"a NumPy array of dtype {arr.dtype}",
+                "only bool, integer, float and complex arrays are stored (no pickle); convert object/string "
+                "arrays to numbers, or to a list of str",
+            )
+        dtype = arr.dtype.newbyteorder("=") if arr.dtype.byteorder == ">" else arr.dtype
+        identity = None
+        if arr.nbytes and not scalar:
+            identity = ("numpy", arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype.str)
+        return leaf(path, arr, "numpy", identity, dtype=dtype.name, shape=tuple(arr.shape),
+                    nbytes=int(arr.nbytes), scalar=scalar)
+
+    def walk_torch(t: Any, path: str) -> dict[str, Any]:
+        if t.layout != torch.strided:
+            raise _refuse(path, f"a {t.layout} tensor", "convert it with t.to_dense()")
+        if t.is_quantized:
+            raise _refuse(path, "a quantized tensor", "store t.int_repr() and its scale/zero_point instead")
+        if t.device.type == "meta":
+            raise _refuse(path, "a tensor on the meta device (it has no data)", "materialise it first")
+        if getattr(t, "is_nested", False):
+            raise _refuse(path, "a nested tensor", "store its components (t.unbind()) instead")
+        nbytes = t.numel() * t.element_size()
+        identity = None
+        if nbytes:
+            identity = ("torch", str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(),
+                        tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
+        return leaf(path, t, "torch", identity, dtype=torch_dtype_name(t.dtype), shape=tuple(t.shape),
+                    nbytes=nbytes)
+
+    return walk(state, ""), leaves
+
+
+def unflatten(node: dict[str, Any], entry: Callable[[int], Any]) -> Any:
+    """Build a tree from its skeleton; ``entry(i)`` returns the object for entry ``i``."""
+    (tag, value), = node.items()
+    if tag == "dict":
+        return {k: unflatten(v, entry) for k, v in value}
+    if tag == "list":
+        return [unflatten(v, entry) for v in value]
+    if tag == "tuple":
+        return tuple(unflatten(v, entry) for v in value)
+    if tag == "entry":
+        return entry(value)
+    if tag == "float":
+        return float(value)
+    if tag in ("int", "str", "bool", "none"):
+        return value
+    raise ValueError(f"unknown tree node {tag!r}")
+
+
+def new_array(kind: str, dtype: str, shape: list[int]) -> tuple[Any, memoryview]:
+    """An uninitialised array/tensor for an entry and a writable flat byte view of its memory."""
+    if kind == "torch":
+        torch = _torch()
+        if torch is None:
+            try:
+                import torch  # noqa: F811
+            except ImportError:
+                raise LuopanError(
+                    "this checkpoint holds torch tensors; install torch (pip install 'luopan[torch]')"
+                ) from None
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    arr = np.empty(shape, dtype=np.dtype(dtype))
+    return arr, memoryview(arr.reshape(-1).view(np.uint8))
