@@ -1,0 +1,1 @@
+"""The ``luopan`` command line (typer + rich)."""

@@ -1,0 +1,259 @@
+"""``luopan`` CLI: init, ls, show, verify, du. The repository comes from ``-r/--repo`` or ``LUOPAN_REPO``.
+
+Exit codes: 0 ok, 1 usage or user error, 3 damaged data found, 4 not found, 5 newer format than this luopan.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from .. import checkpoint as _checkpoint  # noqa: F401  (package import order)
+from ..checkpoint.repo import Repo, init as repo_init, open as repo_open
+from ..errors import IntegrityError, LuopanError
+
+app = typer.Typer(
+    name="luopan",
+    help="luopan (落盘): atomic, verified, incremental checkpoints for AI runs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+RepoOpt = Annotated[
+    str,
+    typer.Option("--repo", "-r", envvar="LUOPAN_REPO", help="Repository path or URL (or set LUOPAN_REPO).",
+                 show_envvar=True),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _handles_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LuopanError as exc:
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _open(repo: str) -> Repo:
+    return repo_open(repo, create=False)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ratio(x: float) -> str:
+    return "∞" if math.isinf(x) else f"{x:.1f}×"
+
+
+def _json_ratio(x: float) -> float | None:
+    return None if math.isinf(x) else round(x, 4)
+
+
+def _metrics_text(m: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def _emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float):
+        return None
+    raise TypeError(type(o).__name__)
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    return v
+
+
+@app.command()
+@_handles_errors
+def init(
+    repo: RepoOpt,
+    compression: Annotated[str, typer.Option(help="Blob compression: none, zstd or zstd:LEVEL.")] = "none",
+    chunk_size: Annotated[Optional[int], typer.Option(help="Chunk size in bytes (default 4 MiB).")] = None,
+    pack_size: Annotated[Optional[int], typer.Option(help="Target pack size in bytes (default 64 MiB).")] = None,
+) -> None:
+    """Create a new, empty repository."""
+    r = repo_init(repo, compression=compression, chunk_size=chunk_size, pack_size=pack_size)
+    c = r.config
+    out.print(f"created luopan repository at [bold]{r.store.describe()}[/] "
+              f"(format {c.format_version}, chunks {human(c.chunk_size)}, packs {human(c.pack_size)}, "
+              f"compression {c.compression.codec})")
+
+
+@app.command("ls")
+@_handles_errors
+def ls(
+    repo: RepoOpt,
+    run: Annotated[Optional[str], typer.Argument(help="Run to list checkpoints of; all runs when omitted.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, or the checkpoints of RUN with sizes, bytes newly written and dedup ratio."""
+    r = _open(repo)
+    if run is None:
+        rows = []
+        for name in r.runs():
+            cps = r.checkpoints(name)
+            last = cps[-1]
+            rows.append({"run": name, "checkpoints": len(cps), "latest_step": last.step, "latest_time": last.created,
+                         "logical_bytes": sum(c.logical_bytes for c in cps),
+                         "stored_bytes": sum(c.stored_bytes for c in cps)})
+        if as_json:
+            _emit_json({"runs": rows})
+            return
+        if not rows:
+            out.print("no checkpoints yet")
+            return
+        t = Table(title=f"runs in {r.store.describe()}")
+        for col in ("run", "checkpoints", "latest step", "latest time", "logical", "stored"):
+            t.add_column(col, justify="right" if col not in ("run", "latest time") else "left")
+        for row in rows:
+            t.add_row(row["run"], str(row["checkpoints"]), str(row["latest_step"]), row["latest_time"][:19],
+                      human(row["logical_bytes"]), human(row["stored_bytes"]))
+        out.print(t)
+        return
+    cps = r.checkpoints(run)
+    if not cps:
+        raise typer.Exit(_not_found(f"run {run!r} has no checkpoints"))
+    if as_json:
+        _emit_json({"run": run, "checkpoints": [
+            {"step": c.step, "created": c.created, "metrics": _json_safe(c.metrics),
+             "logical_bytes": c.logical_bytes, "new_bytes": c.new_bytes, "stored_bytes": c.stored_bytes,
+             "chunks": c.chunks, "new_chunks": c.new_chunks, "dedup_ratio": _json_ratio(c.dedup_ratio),
+             "fingerprint": c.fingerprint} for c in cps]})
+        return
+    t = Table(title=f"checkpoints of {run}")
+    for col in ("step", "time", "metrics", "logical", "written", "dedup"):
+        t.add_column(col, justify="left" if col in ("time", "metrics") else "right")
+    for c in cps:
+        t.add_row(str(c.step), c.created[:19], _metrics_text(c.metrics), human(c.logical_bytes),
+                  human(c.stored_bytes), _ratio(c.dedup_ratio))
+    out.print(t)
+
+
+def _not_found(msg: str) -> int:
+    err.print(f"[bold red]error:[/] {msg}")
+    return 4
+
+
+@app.command()
+@_handles_errors
+def show(
+    repo: RepoOpt,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one checkpoint: metadata, environment, code version and every entry."""
+    r = _open(repo)
+    m = r.manifest(run, step)
+    doc = m.doc
+    if as_json:
+        _emit_json({"run": m.run, "step": m.step, "created": m.created, "metrics": _json_safe(m.metrics),
+                    "metadata": doc["metadata"], "environment": doc["environment"], "code": doc.get("code"),
+                    "fingerprint": doc["fingerprint"], "stats": doc["stats"], "packs": len(m.packs),
+                    "entries": [{k: e[k] for k in ("path", "kind", "dtype", "shape", "nbytes")}
+                                | ({"chunks": len(e["chunks"])} if "chunks" in e else {"alias_of":
+                                   m.entries[e["alias_of"]]["path"]}) for e in m.entries]})
+        return
+    s = doc["stats"]
+    out.print(f"[bold]{m.run}[/] step [bold]{m.step}[/]  created {m.created}")
+    if m.metrics:
+        out.print(f"metrics      {_metrics_text(m.metrics)}")
+    if doc["metadata"]:
+        out.print(f"metadata     {json.dumps(doc['metadata'])}")
+    env = doc["environment"]
+    out.print("environment  " + " ".join(f"{k}={v}" for k, v in env.items()))
+    if "code" in doc:
+        out.print(f"code         {doc['code']['commit'][:12]}{' (dirty)' if doc['code']['dirty'] else ''}")
+    out.print(f"fingerprint  {doc['fingerprint']}")
+    out.print(f"size         {human(s['logical_bytes'])} logical, {human(s['stored_bytes'])} written by this save "
+              f"({s['new_chunks']} of {s['chunks']} chunks new, {len(m.packs)} packs referenced)")
+    t = Table()
+    for col in ("entry", "kind", "dtype", "shape", "bytes", "chunks"):
+        t.add_column(col, justify="right" if col in ("bytes", "chunks") else "left")
+    for e in m.entries:
+        chunks = str(len(e["chunks"])) if "chunks" in e else f"= {m.entries[e['alias_of']]['path']}"
+        t.add_row(e["path"], e["kind"], e["dtype"], str(tuple(e["shape"])), human(e["nbytes"]), chunks)
+    out.print(t)
+
+
+@app.command()
+@_handles_errors
+def verify(
+    repo: RepoOpt,
+    run: Annotated[Optional[str], typer.Argument(help="Run to verify; all runs when omitted.")] = None,
+    step: Annotated[Optional[int], typer.Argument(help="Step to verify; all steps of RUN when omitted.")] = None,
+) -> None:
+    """Read every byte of the selected checkpoints and check every hash. Exit 3 and name the damage if any."""
+    r = _open(repo)
+    with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("verify", total=None)
+        try:
+            report = r.verify(run, step, progress=lambda n: bar.advance(task, n),
+                              on_total=lambda n: bar.update(task, total=n))
+        except IntegrityError as exc:
+            bar.stop()
+            problems = getattr(exc, "problems", [exc])
+            for p in problems:
+                err.print(f"[bold red]DAMAGED[/] {p}", highlight=False)
+            err.print(f"[bold red]{len(problems)} problem(s) found[/]; undamaged checkpoints stay loadable "
+                      "(run `luopan verify RUN STEP` to check one)")
+            raise typer.Exit(3) from None
+    out.print(f"[green]ok[/]: {report.checkpoints} checkpoint(s), {report.chunks} chunks, "
+              f"{human(report.bytes)} read and verified")
+
+
+@app.command()
+@_handles_errors
+def du(repo: RepoOpt, as_json: JsonOpt = False) -> None:
+    """Logical size of all checkpoints vs physical size on storage."""
+    r = _open(repo)
+    d = r.du()
+    ratio = d["logical_bytes"] / d["physical_bytes"] if d["physical_bytes"] else 0.0
+    if as_json:
+        _emit_json({**d, "dedup_ratio": round(ratio, 4)})
+        return
+    out.print(f"{d['checkpoints']} checkpoint(s): {human(d['logical_bytes'])} logical, "
+              f"{human(d['physical_bytes'])} on storage ({ratio:.1f}× dedup)")
+    out.print(f"  packs {human(d['pack_bytes'])}, index {human(d['index_bytes'])}, "
+              f"manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The public API: save/load/load_into/checkpoints/verify, incrementality, errors for bad input."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import luopan
+from luopan.format.canonical import seal, unseal
+
+
+def make_state(seed=0, n=4, rows=256, cols=256):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"l{i}.weight": torch.randn(rows, cols, generator=g) for i in range(n)},
+            "step": seed, "np": np.arange(1000, dtype=np.float32) + seed}
+
+
+def test_open_creates_and_reopens(repo_path):
+    r = luopan.open(repo_path)
+    assert (repo_path / "luopan.json").exists()
+    r2 = luopan.open(repo_path)
+    assert r2.config.repo_id == r.config.repo_id
+
+
+def test_open_refuses_conflicting_options_and_non_repo_dirs(tmp_path):
+    p = tmp_path / "r"
+    luopan.open(p, compression="zstd")
+    with pytest.raises(luopan.ConfigConflictError, match="compression"):
+        luopan.open(p, compression="none")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("mine")
+    with pytest.raises(luopan.RepoNotFoundError, match="not empty"):
+        luopan.open(junk)
+    assert (junk / "notes.txt").read_text() == "mine"
+    with pytest.raises(luopan.RepoNotFoundError, match="luopan init"):
+        luopan.open(tmp_path / "absent", create=False)
+    with pytest.raises(luopan.RepoExistsError):
+        luopan.init(p)
+
+
+def test_save_load_latest_and_by_step(repo):
+    a, b = make_state(1), make_state(2)
+    repo.save("run-a", 100, a, metrics={"loss": 0.52})
+    repo.save("run-a", 200, b, metrics={"loss": 0.41})
+    latest = repo.load("run-a")
+    assert latest["step"] == 2 and torch.equal(latest["model"]["l0.weight"], b["model"]["l0.weight"])
+    first = repo.load("run-a", step=100)
+    assert first["step"] == 1 and np.array_equal(first["np"], a["np"])
+    infos = repo.checkpoints("run-a")
+    assert [i.step for i in infos] == [100, 200]
+    assert [i.metrics["loss"] for i in infos] == [0.52, 0.41]
+    assert repo.runs() == ["run-a"]
+
+
+def test_second_save_writes_only_new_chunks(tmp_path):
+    repo = luopan.open(tmp_path / "r", chunk_size=64 * 1024)
+    s = make_state(0)
+    first = repo.save("r", 1, s)
+    assert first.new_bytes == first.logical_bytes
+    s["model"]["l2.weight"][10, 3] += 1.0  # one row of one tensor changes: one 64 KiB chunk
+    second = repo.save("r", 2, s)
+    # exactly the changed 64-row chunk of one weight; the "step" scalar lives in the manifest, not in a chunk
+    assert second.new_chunks == 1
+    assert second.new_bytes == 64 * 1024
+    assert second.stored_bytes < 70 * 1024
+    assert torch.equal(repo.load("r")["model"]["l2.weight"], s["model"]["l2.weight"])
+    # a pack file count of O(new bytes / pack size): one pack for this save
+    assert second.chunks == first.chunks
+
+
+def test_saving_existing_step_needs_overwrite(repo):
+    repo.save("r", 5, {"x": np.zeros(3)})
+    with pytest.raises(luopan.CheckpointExistsError, match="overwrite=True"):
+        repo.save("r", 5, {"x": np.ones(3)})
+    assert np.array_equal(repo.load("r", 5)["x"], np.zeros(3))
+    repo.save("r", 5, {"x": np.ones(3)}, overwrite=True)
+    assert np.array_equal(repo.load("r", 5)["x"], np.ones(3))
+
+
+@pytest.mark.parametrize("run", ["", "../x", "a/b", "-lead", "x" * 129, "spa ce", None])
+def test_invalid_run_names(repo, run):
+    with pytest.raises(luopan.InvalidNameError, match="invalid run name"):
+        repo.save(run, 0, {})
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "3", True, 10**15])
+def test_invalid_steps(repo, step):
+    with pytest.raises(luopan.InvalidNameError, match="invalid step"):
+        repo.save("r", step, {})
+
+
+def test_bad_metrics_and_metadata_refused_before_writing(repo):
+    with pytest.raises(luopan.UnsupportedValueError, match="metadata"):
+        repo.save("r", 0, {"x": np.zeros(3)}, metadata={"when": object()})
+    with pytest.raises(luopan.UnsupportedValueError, match="metrics"):
+        repo.save("r", 0, {"x": np.zeros(3)}, metrics={"loss": [1, 2]})
+    assert repo.steps("r") == [] and list(repo.store.list("packs/")) == []
+
+
+def test_metrics_accept_tensors_and_nonfinite(repo):
+    repo.save("r", 0, {}, metrics={"loss": torch.tensor(0.25), "acc": np.float32(0.5), "div": float("inf")})
+    m = repo.checkpoints("r")[0].metrics
+    assert m["loss"] == 0.25 and m["acc"] == 0.5 and math.isinf(m["div"])
+
+
+def test_missing_checkpoint_errors_name_what_exists(repo):
+    with pytest.raises(luopan.CheckpointNotFoundError, match="no checkpoints yet"):
+        repo.load("nope")
+    repo.save("r", 3, {})
+    with pytest.raises(luopan.CheckpointNotFoundError, match="committed steps: 3"):
+        repo.load("r", 4)
+    with pytest.raises(KeyError):  # the matching built-in
+        repo.load("r", 4)
+
+
+def test_load_into_updates_in_place(repo):
+    s = make_state(3)
+    s["opt"] = {"lr": 0.1}
+    repo.save("r", 1, s)
+    target = make_state(9)
+    target["opt"] = {"lr": 0.5}
+    w = target["model"]["l0.weight"]
+    tt = torch.zeros(256, 256).t()  # non-contiguous target
+    target["model"]["l1.weight"] = tt
+    out = repo.load_into("r", target)
+    assert out is target
+    assert target["model"]["l0.weight"] is w and torch.equal(w, s["model"]["l0.weight"])
+    assert torch.equal(tt, s["model"]["l1.weight"])
+    assert np.array_equal(target["np"], s["np"])
+
+
+def test_load_into_reports_every_mismatch_before_touching_anything(repo):
+    repo.save("r", 1, {"a": torch.ones(4), "b": torch.ones(2, 2), "c": torch.ones(3), "extra": torch.ones(1)})
+    target = {"a": torch.zeros(5), "b": torch.zeros(2, 2, dtype=torch.float64), "c": torch.zeros(3),
+              "new": torch.zeros(1)}
+    with pytest.raises(luopan.StateMismatchError) as exc:
+        repo.load_into("r", target)
+    msg = str(exc.value)
+    for needle in ["'a'", "(4,)", "(5,)", "'b'", "float64", "missing in checkpoint: 'new'", "unexpected", "'extra'",
+                   "strict=False"]:
+        assert needle in msg
+    assert torch.equal(target["c"], torch.zeros(3))  # untouched: checks come first
+    with pytest.raises(ValueError):
+        repo.load_into("r", target)
+    ok = {"c": torch.zeros(3), "new": torch.zeros(1)}
+    repo.load_into("r", ok, strict=False)
+    assert torch.equal(ok["c"], torch.ones(3)) and torch.equal(ok["new"], torch.zeros(1))
+
+
+def test_verify_reports_ok_and_counts(repo):
+    repo.save("a", 1, make_state(1))
+    repo.save("a", 2, make_state(1))
+    repo.save("b", 1, make_state(2))
+    rep = repo.verify()
+    assert rep.ok and rep.checkpoints == 3
+    assert repo.verify("a", 2).checkpoints == 1
+    with pytest.raises(luopan.CheckpointNotFoundError):
+        repo.verify("zzz")
+
+
+def test_manifest_contents(repo, monkeypatch):
+    repo.save("r", 7, make_state(1), metrics={"loss": 1.5}, metadata={"note": "hi"})
+    raw = next(repo.store.list("runs/r/ckpt/"))
+    assert raw == "runs/r/ckpt/00000007.json"
+    doc = unseal(repo.store.get(raw))
+    assert doc["format_version"] == 1 and doc["run"] == "r" and doc["step"] == 7
+    assert doc["metrics"] == {"loss": 1.5} and doc["metadata"] == {"note": "hi"}
+    assert {"python", "numpy", "torch", "host"} <= doc["environment"].keys()
+    assert doc["code"]["commit"] and isinstance(doc["code"]["dirty"], bool)  # the tests run inside a git checkout
+    e = doc["entries"][0]
+    assert e["path"] == "model/l0.weight" and e["dtype"] == "float32" and e["shape"] == [256, 256]
+    assert e["chunking"] == "rows" and len(e["chunks"][0]) == 6
+    assert doc["fingerprint"].startswith("blake3:")
+    # same structure, different values -> same fingerprint; different shape -> different
+    repo.save("r", 8, make_state(2))
+    repo.save("r", 9, make_state(2, rows=128))
+    fp = [c.fingerprint for c in repo.checkpoints("r")]
+    assert fp[0] == fp[1] != fp[2]
+    ref = json.loads(repo.store.get("refs/runs/r/latest.json"))
+    assert ref["step"] == 9 and ref["manifest"] == "runs/r/ckpt/00000009.json"
+
+
+def test_code_version_absent_outside_git(tmp_path, monkeypatch):
+    from luopan.checkpoint import environment
+
+    environment._code_version.cache_clear()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    r = luopan.open(tmp_path / "r")
+    r.save("r", 0, {})
+    assert "code" not in r.manifest("r").doc
+    environment._code_version.cache_clear()
+
+
+def test_chunks_are_row_aligned_and_packs_bounded(tmp_path):
+    repo = luopan.open(tmp_path / "r", chunk_size=10_000, pack_size=64 * 1024)
+    emb = torch.randn(1000, 30)  # 120-byte rows: 83 rows per chunk
+    info = repo.save("r", 0, {"emb": emb})
+    m = repo.manifest("r")
+    sizes = [c[4] for c in m.entries[0]["chunks"]]
+    assert all(s % 120 == 0 for s in sizes) and sizes[0] == 83 * 120
+    packs = list(repo.store.list("packs/"))
+    assert len(packs) == math.ceil(info.new_bytes / (64 * 1024)) == len(m.packs)
+
+
+def test_zstd_repository_roundtrip_and_smaller(tmp_path):
+    repo = luopan.open(tmp_path / "z", compression="zstd:3")
+    state = {"ids": torch.arange(200_000) % 17, "w": torch.randn(100, 100)}
+    info = repo.save("r", 0, state)
+    assert info.stored_bytes < info.logical_bytes / 4
+    out = repo.load("r")
+    assert torch.equal(out["ids"], state["ids"]) and torch.equal(out["w"], state["w"])
+    assert repo.verify().ok
+
+
+def test_memory_repository():
+    repo = luopan.open("memory://")
+    repo.save("r", 0, {"x": torch.ones(10)})
+    assert torch.equal(repo.load("r")["x"], torch.ones(10))
+
+
+def test_newer_repo_format_refused(repo_path):
+    luopan.open(repo_path)
+    doc = unseal((repo_path / "luopan.json").read_bytes())
+    doc["format_version"] = 2
+    (repo_path / "luopan.json").write_bytes(seal(doc))
+    with pytest.raises(luopan.UnsupportedFormatError, match="format_version 2.*upgrade luopan"):
+        luopan.open(repo_path)
+
+
+def test_temp_leftovers_cleaned_on_open(repo_path):
+    from luopan.store.local import TMP_MARK, _HOST
+
+    repo = luopan.open(repo_path)
+    repo.save("r", 1, {"x": np.zeros(10)})
+    leftover = repo_path / "runs" / "r" / "ckpt" / f"00000002.json{TMP_MARK}{_HOST}-999999999-dead"
+    leftover.write_bytes(b"partial")
+    assert repo.steps("r") == [1]  # never listed
+    luopan.open(repo_path)
+    assert not leftover.exists()
+    assert sorted(os.listdir(repo_path / "runs" / "r" / "ckpt")) == ["00000001.json"]
