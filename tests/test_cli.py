@@ -1,0 +1,109 @@
+"""The luopan CLI on a real repository: init, ls, show, verify (incl. damage), du, --json, errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import luopan
+from luopan.cli.main import app
+
+runner = CliRunner()
+
+
+def cli(*args, env=None):
+    return runner.invoke(app, list(args), env=env, catch_exceptions=False)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    path = tmp_path / "repo"
+    repo = luopan.open(path, chunk_size=64 * 1024)
+    w = torch.randn(512, 128)
+    repo.save("run-a", 100, {"w": w, "tied": w, "b": np.zeros(10)}, metrics={"loss": 0.5})
+    w[0] += 1
+    repo.save("run-a", 200, {"w": w, "tied": w, "b": np.zeros(10)}, metrics={"loss": 0.25})
+    repo.save("run-b", 1, {"x": torch.ones(3)})
+    return path
+
+
+def test_init_then_init_again_fails(tmp_path):
+    r = cli("init", "-r", str(tmp_path / "new"), "--compression", "zstd:5")
+    assert r.exit_code == 0 and "created luopan repository" in r.output
+    assert luopan.open(tmp_path / "new").config.compression.level == 5
+    r = cli("init", "-r", str(tmp_path / "new"))
+    assert r.exit_code == 1 and "already exists" in r.output
+
+
+def test_ls_runs_and_checkpoints(filled):
+    r = cli("ls", "-r", str(filled))
+    assert r.exit_code == 0 and "run-a" in r.output and "run-b" in r.output
+    r = cli("ls", "-r", str(filled), "run-a", "--json")
+    data = json.loads(r.output)
+    cps = data["checkpoints"]
+    assert [c["step"] for c in cps] == [100, 200]
+    assert cps[0]["metrics"] == {"loss": 0.5}
+    assert cps[1]["new_bytes"] == 64 * 1024  # one changed row -> one chunk
+    assert cps[1]["dedup_ratio"] > 3
+    assert cps[0]["logical_bytes"] == 512 * 128 * 4 + 80
+
+
+def test_repo_from_environment(filled):
+    r = cli("ls", "--json", env={"LUOPAN_REPO": str(filled)})
+    assert [x["run"] for x in json.loads(r.output)["runs"]] == ["run-a", "run-b"]
+
+
+def test_show(filled):
+    r = cli("show", "-r", str(filled), "run-a", "100")
+    assert r.exit_code == 0 and "loss=0.5" in r.output and "= w" in r.output
+    d = json.loads(cli("show", "-r", str(filled), "run-a", "--json").output)
+    assert d["step"] == 200
+    assert {e["path"]: e.get("alias_of") for e in d["entries"]}["tied"] == "w"
+    r = cli("show", "-r", str(filled), "run-a", "150")
+    assert r.exit_code == 4 and "committed steps: 100, 200" in r.output
+
+
+def test_du(filled):
+    d = json.loads(cli("du", "-r", str(filled), "--json").output)
+    assert d["checkpoints"] == 3
+    assert d["logical_bytes"] > d["pack_bytes"] > 0
+    assert d["physical_bytes"] == d["pack_bytes"] + d["index_bytes"] + d["manifest_bytes"] + d["ref_bytes"]
+
+
+def test_verify_ok_and_damaged(filled):
+    r = cli("verify", "-r", str(filled))
+    assert r.exit_code == 0 and "3 checkpoint(s)" in r.output
+    # damage one byte in the middle of the pack that only run-b uses
+    repo = luopan.open(filled)
+    m = repo.manifest("run-b", 1)
+    h, p, off, length, size, codec = m.entries[0]["chunks"][0]
+    pack = filled / "packs" / m.packs[p][:2] / f"{m.packs[p]}.pack"
+    data = bytearray(pack.read_bytes())
+    data[off + 1] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    r = cli("verify", "-r", str(filled))
+    assert r.exit_code == 3
+    assert "DAMAGED" in r.output and "run 'run-b' step 1 entry 'x' chunk 0" in r.output
+    assert cli("verify", "-r", str(filled), "run-a").exit_code == 0  # other runs are intact
+
+
+def test_errors_for_missing_repo_and_bad_names(tmp_path):
+    r = cli("ls", "-r", str(tmp_path / "none"))
+    assert r.exit_code == 4 and "no luopan repository" in r.output
+    luopan.open(tmp_path / "r")
+    r = cli("show", "-r", str(tmp_path / "r"), "../etc", "1")
+    assert r.exit_code == 1 and "invalid run name" in r.output
+
+
+def test_console_script_installed(filled):
+    exe = os.path.join(os.path.dirname(sys.executable), "luopan")  # the venv's console script
+    assert os.path.exists(exe), "install the package (make setup) so the `luopan` console script exists"
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "verify" in out.stdout
+    out = subprocess.run([exe, "ls", "-r", str(filled), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0 and json.loads(out.stdout)["runs"][0]["run"] == "run-a"
