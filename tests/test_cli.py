@@ -107,3 +107,18 @@ def test_console_script_installed(filled):
     assert out.returncode == 0 and "verify" in out.stdout
     out = subprocess.run([exe, "ls", "-r", str(filled), "--json"], capture_output=True, text=True)
     assert out.returncode == 0 and json.loads(out.stdout)["runs"][0]["run"] == "run-a"
+
+
+def test_ls_lists_damaged_manifest_without_failing(filled):
+    m = filled / "runs" / "run-a" / "ckpt" / "00000100.json"
+    m.write_bytes(m.read_bytes()[:-20])
+    r = cli("ls", "-r", str(filled), "run-a", "--json")
+    assert r.exit_code == 0
+    data = json.loads(r.stdout)
+    assert [c["step"] for c in data["checkpoints"]] == [200]
+    assert data["damaged"][0]["step"] == 100 and "damaged" in data["damaged"][0]["error"]
+    r = cli("ls", "-r", str(filled))
+    assert "(+1 damaged)" in r.output
+    assert json.loads(cli("du", "-r", str(filled), "--json").stdout)["damaged_manifests"] == 1
+    r = cli("verify", "-r", str(filled), "run-a")
+    assert r.exit_code == 3 and "00000100.json" in r.output

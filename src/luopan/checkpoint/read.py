@@ -82,10 +82,20 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview) -> None:
         raise IntegrityError(f"hash mismatch: {ref.where()} reads as {actual[:16]}…; the stored bytes are damaged")
 
 
-def read_chunks(store: Store, jobs: list[tuple[ChunkRef, memoryview]]) -> None:
-    """Read and verify many chunks on both cores, each straight into its destination."""
+def read_chunks(store: Store, jobs: list[tuple[ChunkRef, memoryview]], *, via_scratch: bool = False) -> None:
+    """Read and verify many chunks on both cores, each straight into its destination.
+
+    With ``via_scratch`` each chunk is read and verified in scratch memory and only then copied to its
+    destination, so damaged bytes never reach it (for restoring into memory the caller already owns).
+    """
     def one(job: tuple[ChunkRef, memoryview]) -> None:
-        read_chunk(store, *job)
+        ref, out = job
+        if via_scratch:
+            tmp = _scratch(ref.size)
+            read_chunk(store, ref, tmp)
+            out[:] = tmp
+        else:
+            read_chunk(store, ref, out)
 
     if len(jobs) <= 1:
         for job in jobs:

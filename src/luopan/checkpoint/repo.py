@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from ..errors import (
     ConfigConflictError,
     CorruptRepoError,
     IntegrityError,
+    LuopanError,
     RepoExistsError,
     RepoNotFoundError,
     StateMismatchError,
@@ -34,7 +36,7 @@ from ..format.pack import BlobLocation
 from ..store import Store, open_store
 from ..store.base import KeyNotFound
 from ..tree import flatten, new_array, unflatten
-from .read import ChunkRef, chunk_refs, read_chunk, read_chunks, verify_chunks
+from .read import ChunkRef, chunk_refs, read_chunks, verify_chunks
 from .save import write_checkpoint
 
 
@@ -78,6 +80,8 @@ def open(  # noqa: A001  (the public verb is luopan.open)
 
     Options apply at creation; on an existing repository, an option that differs from its config is an error.
     """
+    if sys.byteorder != "little":  # docs/format.md §5: entries are stored little-endian, as in host memory
+        raise LuopanError("luopan repositories are little-endian; this big-endian host cannot read or write them")
     store = open_store(location)
     try:
         config = RepoConfig.from_bytes(store.get(CONFIG_KEY), _where(store))
@@ -373,9 +377,14 @@ class Repo:
         """Logical bytes over all checkpoints vs physical bytes in the store."""
         logical = 0
         checkpoints = 0
+        damaged = 0
         for r in self.runs():
-            for info in self.checkpoints(r):
-                logical += info.logical_bytes
+            for s in self.steps(r):
+                try:
+                    logical += self.manifest(r, s).stats["logical_bytes"]
+                except IntegrityError:
+                    damaged += 1  # counted, not fatal: `verify` names it
+                    continue
                 checkpoints += 1
         sizes = {"packs": 0, "index": 0, "runs": 0, "refs": 0}
         for top in sizes:
@@ -385,7 +394,7 @@ class Repo:
                 except KeyNotFound:
                     pass
         physical = sum(sizes.values())
-        return {"checkpoints": checkpoints, "logical_bytes": logical, "physical_bytes": physical,
+        return {"checkpoints": checkpoints, "damaged_manifests": damaged, "logical_bytes": logical, "physical_bytes": physical,
                 "pack_bytes": sizes["packs"], "index_bytes": sizes["index"], "manifest_bytes": sizes["runs"],
                 "ref_bytes": sizes["refs"]}
 
@@ -416,10 +425,8 @@ def _copy_entry_into(store: Store, m: Manifest, entry_index: int, leaf: Any) -> 
 
         direct = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
     if direct is not None:
-        for pos, ref in chunk_refs(m, entry_index):
-            scratch = bytearray(ref.size)
-            read_chunk(store, ref, memoryview(scratch))
-            direct[pos : pos + ref.size] = scratch
+        jobs = [(ref, direct[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)]
+        read_chunks(store, jobs, via_scratch=True)
         return
     e = m.entries[entry_index]
     fresh, view = new_array(e["kind"], e["dtype"], e["shape"])

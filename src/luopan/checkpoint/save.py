@@ -52,6 +52,7 @@ class _PackWriter:
     pack_size: int
     builder: PackBuilder = field(default_factory=PackBuilder)
     written: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # pack id -> blob records
+    created: list[str] = field(default_factory=list)  # packs this writer created (not ones that already existed)
     stored_bytes: int = 0
     _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "luopan-pack"))
     _inflight: Future[None] | None = None
@@ -73,7 +74,12 @@ class _PackWriter:
         self._wait()
         self.written[pack_id] = b.blobs
         self.stored_bytes += total
-        self._inflight = self._pool.submit(self.store.put_if_absent, pack_key(pack_id), parts)
+        self._inflight = self._pool.submit(self._write, pack_id, parts)
+
+    def _write(self, pack_id: str, parts: list[memoryview]) -> None:
+        # An existing pack with this id has the same chunks (its id hashes their hashes and layout): keep it.
+        if self.store.put_if_absent(pack_key(pack_id), parts):
+            self.created.append(pack_id)
 
     def _wait(self) -> None:
         if self._inflight is not None:
@@ -92,8 +98,9 @@ class _PackWriter:
         self._pool.shutdown(wait=True)
 
     def discard(self) -> None:
-        """Remove packs this save wrote (only before any index names them)."""
-        for pack_id in self.written:
+        """Remove packs this save created (only before any index names them). A pack that already existed may
+        belong to another writer's save of the same chunks, so it is never removed here."""
+        for pack_id in self.created:
             try:
                 self.store.delete(pack_key(pack_id))
             except OSError:

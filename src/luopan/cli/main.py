@@ -18,7 +18,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from .. import checkpoint as _checkpoint  # noqa: F401  (package import order)
-from ..checkpoint.repo import Repo, init as repo_init, open as repo_open
+from ..checkpoint.repo import CheckpointInfo, Repo, init as repo_init, open as repo_open
+from ..format.names import manifest_key
 from ..errors import IntegrityError, LuopanError
 
 app = typer.Typer(
@@ -123,9 +124,10 @@ def ls(
     if run is None:
         rows = []
         for name in r.runs():
-            cps = r.checkpoints(name)
-            last = cps[-1]
-            rows.append({"run": name, "checkpoints": len(cps), "latest_step": last.step, "latest_time": last.created,
+            cps, damaged = _checkpoints(r, name)
+            last = cps[-1] if cps else None
+            rows.append({"run": name, "checkpoints": len(cps), "damaged": len(damaged),
+                         "latest_step": last.step if last else None, "latest_time": last.created if last else "",
                          "logical_bytes": sum(c.logical_bytes for c in cps),
                          "stored_bytes": sum(c.stored_bytes for c in cps)})
         if as_json:
@@ -138,15 +140,18 @@ def ls(
         for col in ("run", "checkpoints", "latest step", "latest time", "logical", "stored"):
             t.add_column(col, justify="right" if col not in ("run", "latest time") else "left")
         for row in rows:
-            t.add_row(row["run"], str(row["checkpoints"]), str(row["latest_step"]), row["latest_time"][:19],
+            count = str(row["checkpoints"]) + (f" (+{row['damaged']} damaged)" if row["damaged"] else "")
+            t.add_row(row["run"], count, str(row["latest_step"]), row["latest_time"][:19],
                       human(row["logical_bytes"]), human(row["stored_bytes"]))
         out.print(t)
         return
-    cps = r.checkpoints(run)
-    if not cps:
+    cps, damaged = _checkpoints(r, run)
+    if not cps and not damaged:
         raise typer.Exit(_not_found(f"run {run!r} has no checkpoints"))
+    for step, why in damaged:
+        err.print(f"[bold red]DAMAGED[/] step {step}: {why}", highlight=False)
     if as_json:
-        _emit_json({"run": run, "checkpoints": [
+        _emit_json({"run": run, "damaged": [{"step": s, "error": w} for s, w in damaged], "checkpoints": [
             {"step": c.step, "created": c.created, "metrics": _json_safe(c.metrics),
              "logical_bytes": c.logical_bytes, "new_bytes": c.new_bytes, "stored_bytes": c.stored_bytes,
              "chunks": c.chunks, "new_chunks": c.new_chunks, "dedup_ratio": _json_ratio(c.dedup_ratio),
@@ -159,6 +164,17 @@ def ls(
         t.add_row(str(c.step), c.created[:19], _metrics_text(c.metrics), human(c.logical_bytes),
                   human(c.stored_bytes), _ratio(c.dedup_ratio))
     out.print(t)
+
+
+def _checkpoints(r: Repo, run: str) -> tuple[list[CheckpointInfo], list[tuple[int, str]]]:
+    """A run's readable checkpoints, and (step, reason) for each whose manifest is damaged (listed, not fatal)."""
+    infos, damaged = [], []
+    for step in r.steps(run):
+        try:
+            infos.append(CheckpointInfo.from_manifest(r.manifest(run, step), manifest_key(run, step)))
+        except IntegrityError as exc:
+            damaged.append((step, str(exc)))
+    return infos, damaged
 
 
 def _not_found(msg: str) -> int:
