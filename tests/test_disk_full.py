@@ -1,0 +1,264 @@
+"""Running out of disk space during a save (docs/format.md §10 rules 2 and 6, errors.StorageFullError).
+
+A small tmpfs stands in for a full disk, so these tests need root (mount) and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import luopan
+from luopan.format.canonical import unseal
+
+RUN = "full"
+CHUNK_SIZE = 64 * 1024
+PACK_SIZE = 256 * 1024
+TMPFS_SIZE = "12m"
+FILLER_BYTES = 4 << 20
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 12 MiB tmpfs mounted on a temp dir; always unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("disk-full tests mount a small tmpfs, which needs root")
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("disk-full tests need the mount/umount commands")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for the disk-full test: {proc.stderr.strip() or proc.returncode}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def free_bytes(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def make_state(step):
+    """~1.6 MiB; ~1.5 MiB of it new at every step, 128 KiB shared by all steps."""
+    rng = np.random.default_rng(300 + step)
+    return {
+        "shared": np.random.default_rng(1).standard_normal((32, 1024), dtype=np.float32),
+        "w": rng.standard_normal((384, 1024), dtype=np.float32),
+        "step": step,
+    }
+
+
+def assert_same_state(got, expected):
+    assert list(got) == list(expected)
+    for k, v in expected.items():
+        if isinstance(v, np.ndarray):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape
+            assert got[k].tobytes() == v.tobytes(), k
+        else:
+            assert got[k] == v
+
+
+def temp_files(root):
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if ".tmp-" in f]
+
+
+def pack_files(root):
+    return {f[: -len(".pack")] for _, _, fs in os.walk(os.path.join(root, "packs")) for f in fs if f.endswith(".pack")}
+
+
+def test_disk_full_fails_cleanly_and_recovers(small_fs):
+    filler = small_fs / "filler.bin"
+    with open(filler, "wb") as f:  # space we can give back later
+        f.write(os.urandom(FILLER_BYTES))
+        f.flush()
+        os.fsync(f.fileno())
+    root = small_fs / "repo"
+    repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+
+    saved = {}
+    for step in range(100):
+        state = make_state(step)
+        free_before = free_bytes(small_fs)
+        try:
+            repo.save(RUN, step, state)
+        except luopan.StorageFullError as exc:
+            err, failed_step = exc, step
+            break
+        saved[step] = state
+    else:
+        pytest.fail("the 12 MiB tmpfs never filled up")
+
+    assert len(saved) >= 2, f"only {len(saved)} saves fit before the disk filled"
+    assert isinstance(err, OSError) and isinstance(err, luopan.LuopanError)
+    assert "no space" in str(err)
+    assert isinstance(err.__cause__, OSError) and err.__cause__.errno in (errno.ENOSPC, errno.EDQUOT)
+
+    # nothing partial visible: only the complete checkpoints, each verifying and loading bit-exactly
+    assert repo.steps(RUN) == sorted(saved)
+    assert temp_files(root) == [], temp_files(root)
+    # the failed save's packs were removed (rule 6): only packs named by committed manifests remain ...
+    referenced = {p for s in saved for p in repo.manifest(RUN, s).packs}
+    assert pack_files(root) == referenced
+    # ... and the space came back (a failed save of ~1.5 MiB leaves at most a few directory pages behind)
+    free_after = free_bytes(small_fs)
+    assert abs(free_after - free_before) <= 64 * 1024, (free_before, free_after)
+    # only index files of committed saves (each of them wrote packs)
+    assert len(os.listdir(root / "index")) == len(saved)
+
+    reopened = luopan.open(root)
+    for r in (repo, reopened):
+        assert r.steps(RUN) == sorted(saved)
+        report = r.verify()
+        assert report.ok and report.checkpoints == len(saved)
+        for s, state in saved.items():
+            assert_same_state(r.load(RUN, s), state)
+        with pytest.raises(luopan.CheckpointNotFoundError):
+            r.load(RUN, failed_step)
+    reopened.close()
+
+    # give space back: the same save now succeeds and verifies
+    os.unlink(filler)
+    state = make_state(failed_step)
+    info = repo.save(RUN, failed_step, state)
+    assert info.step == failed_step and info.new_chunks > 0
+    assert repo.steps(RUN) == sorted([*saved, failed_step])
+    assert repo.verify(RUN, failed_step).ok
+    assert_same_state(repo.load(RUN, failed_step), state)
+    assert_same_state(repo.load(RUN), state)
+    assert repo.verify().ok
+    repo.close()
+
+
+def test_disk_full_on_first_save_leaves_empty_repo(small_fs):
+    """A save that cannot fit at all leaves a usable, empty repository and its space free."""
+    root = small_fs / "repo"
+    repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+    free_before = free_bytes(small_fs)
+    big = {"w": np.random.default_rng(0).standard_normal(4 << 20, dtype=np.float32)}  # 16 MiB > 12 MiB tmpfs
+    with pytest.raises(luopan.StorageFullError, match="no space"):
+        repo.save(RUN, 0, big)
+    assert repo.steps(RUN) == []
+    assert pack_files(root) == set()
+    assert temp_files(root) == []
+    assert not os.path.exists(root / "index") or os.listdir(root / "index") == []
+    assert abs(free_bytes(small_fs) - free_before) <= 64 * 1024
+    # a save that fits still works afterwards
+    state = make_state(1)
+    repo.save(RUN, 1, state)
+    assert repo.verify().ok
+    assert_same_state(repo.load(RUN), state)
+    repo.close()
+
+
+PAGE = 4096
+STAGES = ("pack", "index", "manifest", "ref")
+
+
+def _failed_stage(root, exc, step):
+    """Which write of a save ran out of space: judged from the committed files and the error's file name."""
+    manifest = root / "runs" / RUN / "ckpt" / f"{step:08d}.json"
+    ref_path = root / "refs" / "runs" / RUN / "latest.json"
+    ref_step = unseal(ref_path.read_bytes())["step"] if ref_path.exists() else None
+    if manifest.exists() and (exc is not None or ref_step != step):
+        return "ref"  # the manifest made it, the ref did not
+    if exc is None:
+        return "ok"
+    msg = str(exc)
+    if ".pack" in msg:
+        return "pack"
+    if f"{step:08d}.json" in msg:
+        return "manifest"
+    return "index"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_disk_full_at_each_write_of_a_save(small_fs, stage):
+    """Leave just too little space for the pack, index, manifest or ref write of a save (found by sweeping the free
+    space page by page). Whatever write fails: a save that raises committed nothing, one that returns committed
+    everything; earlier checkpoints stay intact; no temporaries remain; after freeing space saving works."""
+    root = small_fs / "repo"
+    base = {"b": np.random.default_rng(9).standard_normal(64 * 1024, dtype=np.float32), "step": 0}
+    nxt = make_state(1)
+
+    def fresh_repo_with_step0():
+        if root.exists():
+            shutil.rmtree(root)
+        r = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+        r.save(RUN, 0, base)
+        return r
+
+    r = fresh_repo_with_step0()
+    f0 = free_bytes(small_fs)
+    r.save(RUN, 1, nxt)
+    need = f0 - free_bytes(small_fs)  # net pages step 1 takes (the replaced ref's page comes back)
+    r.close()
+
+    seen = []
+    filler = small_fs / "filler.bin"
+    for k in range(-8, 3):
+        r = fresh_repo_with_step0()
+        step0_packs = pack_files(root)
+        fill = free_bytes(small_fs) - (need + k * PAGE)
+        with open(filler, "wb") as f:
+            f.truncate(0)
+            f.write(b"\xa5" * max(fill, 0))
+            os.fsync(f.fileno())
+        free_before = free_bytes(small_fs)
+        try:
+            r.save(RUN, 1, nxt)
+            exc = None
+        except luopan.StorageFullError as e:
+            exc = e
+        got = _failed_stage(root, exc, 1)
+        seen.append((k, got))
+        if got == stage:
+            print(f"free-space sweep (pages vs need, outcome): {seen}")
+            break
+        r.close()
+        os.unlink(filler)
+    else:  # pragma: no cover
+        pytest.fail(f"no free-space level made the save run out of space at the {stage} write: {seen}")
+
+    assert temp_files(root) == [], temp_files(root)
+    steps = r.steps(RUN)
+    if exc is not None:
+        assert "no space" in str(exc)
+        assert steps == [0], (
+            f"save raised StorageFullError ({exc}) at the {stage} write but left step(s) {steps} committed: "
+            "a failed save must commit nothing (or not fail)"
+        )
+    else:
+        assert steps == [0, 1]
+        assert r.verify(RUN, 1).ok
+        assert_same_state(r.load(RUN, 1), nxt)
+    if stage in ("pack", "index"):
+        # failed before its index file was durable: its packs were deleted again (rule 6), space is back
+        assert pack_files(root) == step0_packs
+        assert len(os.listdir(root / "index")) == 1
+        assert abs(free_bytes(small_fs) - free_before) <= 64 * 1024
+    assert r.verify(RUN, 0).ok
+    assert_same_state(r.load(RUN, 0), base)
+
+    os.unlink(filler)
+    if 1 not in r.steps(RUN):
+        r.save(RUN, 1, nxt)
+    r.save(RUN, 2, make_state(2))  # also repairs a stale ref
+    ref = unseal((root / "refs" / "runs" / RUN / "latest.json").read_bytes())
+    assert ref["step"] == 2
+    reopened = luopan.open(root)
+    assert reopened.steps(RUN) == [0, 1, 2]
+    assert reopened.verify().ok
+    for s, st in ((0, base), (1, nxt), (2, make_state(2))):
+        assert_same_state(reopened.load(RUN, s), st)
+    reopened.close()
+    r.close()
