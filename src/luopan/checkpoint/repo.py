@@ -35,6 +35,7 @@ from ..format.names import (
 from ..format.pack import BlobLocation
 from ..store import Store, open_store
 from ..store.base import KeyNotFound
+from ..store.local import TMP_MARK
 from ..tree import flatten, new_array, unflatten
 from .read import ChunkRef, chunk_refs, read_chunks, verify_chunks
 from .save import write_checkpoint
@@ -119,8 +120,9 @@ def _where(store: Store) -> str:
 
 def _create(store: Store, chunk_size: int | None, pack_size: int | None,
             compression: str | Compression | None) -> RepoConfig:
+    store.cleanup_temporaries()  # e.g. the config's own temp file from a creation that crashed
     root = getattr(store, "root", None)
-    if root is not None and os.path.isdir(root) and any(os.scandir(root)):
+    if root is not None and os.path.isdir(root) and any(TMP_MARK not in e.name for e in os.scandir(root)):
         raise RepoNotFoundError(
             f"{root} exists, is not empty and is not a luopan repository: refusing to create one there; "
             "choose an empty or new directory"

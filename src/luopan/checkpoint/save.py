@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -234,6 +235,12 @@ def write_checkpoint(
             f"run {run!r} step {step} was committed by another writer during this save; "
             "pass overwrite=True to replace it"
         )
+    # The checkpoint is committed now. The ref is advisory (docs/format.md §9): failing to update it must not
+    # report the save as failed, or a caller would retry a step that already exists.
     ref = {"manifest": mkey, "manifest_checksum": sealed_checksum(data), "step": step}
-    store.put(latest_ref_key(run), seal(ref))
+    try:
+        store.put(latest_ref_key(run), seal(ref))
+    except OSError as exc:
+        warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
+                      f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=3)
     return SaveResult(mkey, doc, new_locations)
