@@ -1,0 +1,251 @@
+"""Shared helpers for the luopan benchmarks: timing, statistics, the page cache, memory probes, machine facts.
+
+Nothing here depends on luopan internals; suites use only luopan's public API.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+MIB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- timing ----------------------------------------------------------------------------------------------------
+@contextmanager
+def quiet_gc() -> Iterator[None]:
+    """Collect first, then keep the cyclic GC out of the timed region."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call, with the GC collected before and paused during it."""
+    with quiet_gc():
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+    return dt, out
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def spread(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+# -- files -----------------------------------------------------------------------------------------------------
+def fsync_path(path: str) -> None:
+    """fsync a file (or directory) by path; fsync on a read-only descriptor is valid on Linux."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def settle() -> None:
+    """Flush pending writeback (e.g. of just-deleted files' metadata) so it does not land in the next timing."""
+    try:
+        os.sync()
+    except OSError:
+        pass
+
+
+# -- page cache ------------------------------------------------------------------------------------------------
+_DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_caches() -> bool:
+    """sync + drop the page cache (root only). Returns False (and never raises) where that is not permitted."""
+    settle()
+    try:
+        with open(_DROP_CACHES, "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def can_drop_caches() -> bool:
+    return os.access(_DROP_CACHES, os.W_OK) and drop_caches()
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    import psutil  # fallback for systems without /proc/self/status
+
+    return psutil.Process().memory_info().rss
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (VmHWM) to the current RSS (Linux: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
+class RssSampler:
+    """Samples RSS on a background thread (a fallback / cross-check for the kernel high-water mark)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.peak = rss_bytes()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self.samples += 1
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+# -- machine ---------------------------------------------------------------------------------------------------
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _mount_of(path: str) -> dict[str, str] | None:
+    """Device and filesystem type of the mount holding ``path`` (longest matching mount point)."""
+    path = os.path.realpath(path)
+    best: tuple[str, str, str] | None = None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype, *_ = line.split()
+                mnt = mnt.replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[1])):
+                    best = (dev, mnt, fstype)
+    except OSError:
+        return None
+    return None if best is None else {"device": best[0], "mount": best[1], "fstype": best[2]}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return None
+
+
+def machine_info(workdir: str) -> dict[str, Any]:
+    mem_total = None
+    try:
+        import psutil
+
+        mem_total = round(psutil.virtual_memory().total / (1 << 30), 2)
+    except Exception:
+        pass
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "mem_total_gib": mem_total,
+        "workdir": workdir,
+        "workdir_mount": _mount_of(workdir),
+        "workdir_free_gib": round(shutil.disk_usage(workdir).free / (1 << 30), 2),
+        "versions": {name: _version(name) for name in ("luopan", "torch", "safetensors", "numpy", "blake3")},
+        "luopan_commit": _git("rev-parse", "HEAD"),
+        "luopan_dirty": None if status is None else bool(status),
+        "executable": sys.executable,
+        "loadavg_start": loadavg(),
+    }
+
+
+def loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine makes the figures noisier."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None

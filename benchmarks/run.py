@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""luopan benchmarks.
+
+    python benchmarks/run.py --suite foundation [--size-mib 1024] [--quick] [--json OUT] [--workdir DIR]
+
+Runs in one process, alternating peer and luopan measurements, and prints medians and ratios. Exits 0 whether or
+not the goals are met (the table and the JSON say which are missed); exits non-zero only when it cannot run.
+See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+try:
+    import luopan  # noqa: F401
+except ImportError:  # running from a checkout without an installed luopan
+    sys.path.insert(1, os.path.join(os.path.dirname(HERE), "src"))
+
+import foundation  # noqa: E402
+
+QUICK_SIZE_MIB = 256
+DEFAULT_SIZE_MIB = 1024
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=["foundation"], default="foundation")
+    ap.add_argument("--size-mib", type=int, default=None,
+                    help=f"state size in MiB (default {DEFAULT_SIZE_MIB}; {QUICK_SIZE_MIB} with --quick)")
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE_MIB} MiB state, fewer cold repetitions")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each alternating pair (default 5)")
+    ap.add_argument("--cold-reps", type=int, default=None,
+                    help="cold-cache load repetitions, 0 to skip (default 3; 2 with --quick). Needs root to drop "
+                         "the page cache; skipped otherwise")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocess probes (P7)")
+    ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    ap.add_argument("--workdir", metavar="DIR",
+                    help="parent directory for temporary data (default: the system temp dir); a fresh "
+                         "subdirectory is created there and removed at the end")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--_rss-probe", dest="rss_probe", choices=["luopan", "safetensors"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.size_mib is None:
+        args.size_mib = QUICK_SIZE_MIB if args.quick else DEFAULT_SIZE_MIB
+    if args.cold_reps is None:
+        args.cold_reps = 2 if args.quick else 3
+    if args.size_mib <= 0 or args.reps <= 0 or args.cold_reps < 0:
+        ap.error("--size-mib and --reps must be positive, --cold-reps non-negative")
+    return args
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    if x is None:
+        return "-"
+    return format(x, spec)
+
+
+def rows(report: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for r in report["results"]:
+        op = r.get("goal_op", ">=")
+        status = "met" if r["met"] else "MISSED"
+        if r["id"].startswith("P7"):
+            out.append([r["id"], "peak RSS - state (MiB)", _fmt(r.get("safetensors_peak_over_state_mib"), ".0f")
+                        + " (safetensors)", _fmt(r["value"], ".0f") + " (luopan)", _fmt(r["value"], ".0f"),
+                        f"{op} {r['goal']}", status])
+            continue
+        out.append([r["id"], r["peer_short"], _fmt(r["peer_s"]), _fmt(r["luopan_s"]),
+                    _fmt(r["ratio"], ".2f"), f"{op} {r['goal']}", status])
+    return out
+
+
+def extra_rows(report: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for r in report["results"]:
+        if r["id"] == "P5.vs_safetensors_load":
+            pr = r.get("extra_safetensors_pread_load")
+            if pr:
+                out.append([f"{r['id']} (peer: pread backend, warm)", _fmt(pr["peer_s"]), _fmt(r["luopan_s"]),
+                            _fmt(pr["ratio"], ".2f")])
+            for key, label in (("cold", "mmap+touch, cold cache"), ("cold_pread", "pread backend, cold cache")):
+                c = r.get(key)
+                if c:
+                    out.append([f"{r['id']} ({label})", _fmt(c["peer_s"]), _fmt(c["luopan_s"]),
+                                _fmt(c["ratio"], ".2f")])
+        if r["id"] == "P5.vs_dcp_load":
+            out.append([f"{r['id']} (luopan load_into, warm)", _fmt(r["peer_s"]), _fmt(r["luopan_load_into_s"]),
+                        _fmt(r["ratio_vs_load_into"], ".2f")])
+            c = r.get("cold")
+            if c:
+                out.append([f"{r['id']} (cold cache)", _fmt(c["peer_s"]), _fmt(c["luopan_s"]),
+                            _fmt(c["ratio"], ".2f")])
+    return out
+
+
+def print_report(report: dict[str, Any]) -> None:
+    head = ["id", "peer", "peer s", "luopan s", "ratio", "goal", "status"]
+    xhead = ["context (not goals)", "peer s", "luopan s", "ratio"]
+    st = report["state"]
+    title = (f"luopan foundation benchmark: {report['size_mib']} MiB fp32 state ({st['tensors']} tensors), "
+             f"medians of {report['config']['reps']} alternating repetitions, warm page cache")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None  # type: ignore[assignment]
+    if Console is not None:
+        console = Console(width=None if sys.stdout.isatty() else 118)
+        t = Table(title=title, title_justify="left")
+        for h in head:
+            t.add_column(h, justify="right" if h in ("peer s", "luopan s", "ratio") else "left")
+        for row in rows(report):
+            style = "green" if row[-1] == "met" else "bold red"
+            t.add_row(*row[:-1], f"[{style}]{row[-1]}[/{style}]")
+        console.print(t)
+        x = extra_rows(report)
+        if x:
+            t2 = Table(title="context: alternative peer modes and cold cache", title_justify="left")
+            for h in xhead:
+                t2.add_column(h, justify="left" if h == xhead[0] else "right")
+            for row in x:
+                t2.add_row(*row)
+            console.print(t2)
+    else:
+        print(title)
+        all_rows = [head] + rows(report)
+        widths = [max(len(r[i]) for r in all_rows) for i in range(len(head))]
+        for row in all_rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        x = extra_rows(report)
+        if x:
+            print()
+            all_rows = [xhead] + x
+            widths = [max(len(r[i]) for r in all_rows) for i in range(len(xhead))]
+            for row in all_rows:
+                print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    m = report["machine"]
+    print(f"machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB RAM, workdir on "
+          f"{(m.get('workdir_mount') or {}).get('fstype', '?')}; load average at start {m.get('loadavg_start')}, "
+          f"at end {m.get('loadavg_end')} (other work on the machine makes the figures noisier)")
+    missed = [r["id"] for r in report["results"] if not r["met"]]
+    print("ratio = peer seconds / luopan seconds (> 1: luopan faster); P7 in MiB (lower is better).")
+    print("goals missed: " + (", ".join(missed) if missed else "none"))
+    if report.get("problems"):
+        print("DATA PROBLEMS: " + "; ".join(report["problems"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rss_probe:
+        work = args.workdir or os.path.join(os.getcwd(), ".")
+        print(json.dumps(foundation.rss_probe(args.rss_probe, args.size_mib, work)))
+        return 0
+    log = foundation.Log(verbose=not args.quiet)
+    report = foundation.run_foundation(args.size_mib, args.reps, args.cold_reps, args.workdir, not args.no_rss,
+                                       log)
+    report["command"] = " ".join([os.path.basename(sys.executable), "benchmarks/run.py", *sys.argv[1:]]) \
+        if argv is None else " ".join(argv)
+    log("done")
+    print_report(report)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"JSON written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
