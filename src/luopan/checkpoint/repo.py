@@ -326,8 +326,22 @@ class Repo:
                 + "\n  ".join(problems)
                 + "\nfix the target, or pass strict=False to load only the keys both sides have"
             )
+        jobs: list[tuple[ChunkRef, memoryview]] = []
+        copies = []
         for leaf, i in plan:
-            _copy_entry_into(self.store, m, i, leaf)
+            dest = _writable_bytes(leaf)
+            if dest is None:  # non-contiguous / device / conj target: read fresh, then copy_ into it
+                e = m.entries[i]
+                fresh, dest = new_array(e["kind"], e["dtype"], e["shape"])
+                copies.append((leaf, fresh))
+            jobs += [(ref, dest[pos : pos + ref.size]) for pos, ref in chunk_refs(m, i)]
+        read_chunks(self.store, jobs, via_scratch=True)  # one batch on both cores; verified before copying
+        for leaf, fresh in copies:
+            if leaf.kind == "torch":
+                with sys.modules["torch"].no_grad():
+                    leaf.obj.copy_(fresh)
+            else:
+                leaf.obj[...] = fresh
         return target
 
     # -- verification -------------------------------------------------------------------------------------------
@@ -413,31 +427,19 @@ class VerifyReport:
         return not self.problems
 
 
-def _copy_entry_into(store: Store, m: Manifest, entry_index: int, leaf: Any) -> None:
-    """Read one entry's verified chunks into an existing tensor/array."""
+def _writable_bytes(leaf: Any) -> memoryview | None:
+    """A flat writable byte view of a target tensor/array's memory, or None when it has none (then copy)."""
     import numpy as np
 
     dest = leaf.obj
-    direct = None
-    if leaf.kind == "numpy" and dest.flags.c_contiguous and dest.flags.writeable:
-        direct = memoryview(dest.reshape(-1).view(np.uint8))
-    elif leaf.kind == "torch" and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() \
-            and not dest.is_neg():
-        import torch
-
-        direct = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
-    if direct is not None:
-        jobs = [(ref, direct[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)]
-        read_chunks(store, jobs, via_scratch=True)
-        return
-    e = m.entries[entry_index]
-    fresh, view = new_array(e["kind"], e["dtype"], e["shape"])
-    read_chunks(store, [(ref, view[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)])
-    if leaf.kind == "torch":
-        with __import__("torch").no_grad():
-            dest.copy_(fresh)
-    else:
-        dest[...] = fresh
+    if leaf.kind == "numpy":
+        if dest.flags.c_contiguous and dest.flags.writeable and dest.dtype.byteorder != ">":
+            return memoryview(dest.reshape(-1).view(np.uint8))
+        return None
+    if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+        torch = sys.modules["torch"]
+        return memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
+    return None
 
 
 def _check_json(name: str, value: Any, kind: type) -> None:
