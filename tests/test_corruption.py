@@ -17,6 +17,8 @@ import pytest
 import luopan
 from luopan.format.canonical import seal, unseal
 
+from .helpers import assert_same_state
+
 RUN = "corrupt"
 CHUNK_SIZE = 64 * 1024
 PACK_SIZE = 256 * 1024
@@ -41,19 +43,6 @@ def make_compressible_state(step):
         "mask": (rng.random(300_000) < 0.05),
         "step": step,
     }
-
-
-def assert_same_state(got, expected, path="<root>"):
-    assert type(got) is type(expected), f"{path}: {type(got).__name__} != {type(expected).__name__}"
-    if isinstance(expected, dict):
-        assert list(got) == list(expected), path
-        for k in expected:
-            assert_same_state(got[k], expected[k], f"{path}/{k}")
-    elif isinstance(expected, np.ndarray):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, path
-        assert got.tobytes() == expected.tobytes(), f"{path}: bytes differ"
-    else:
-        assert got == expected, path
 
 
 def pack_path(root, pack_id):

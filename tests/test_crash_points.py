@@ -20,6 +20,7 @@ from luopan._crash import CRASH_EXIT_CODE
 from luopan.format.canonical import unseal
 
 from .conftest import PYTHON
+from .helpers import assert_same_state, temp_files
 
 RUN = "cp"
 CHUNK_SIZE = 64 * 1024
@@ -59,23 +60,6 @@ repo.save(sys.argv[2], int(sys.argv[3]), make_state(int(sys.argv[3])), metrics={
 _ns: dict = {}
 exec(STATE_SRC, _ns)
 make_state = _ns["make_state"]
-
-
-def assert_same_state(got, expected, path="<root>"):
-    assert type(got) is type(expected), f"{path}: {type(got).__name__} != {type(expected).__name__}"
-    if isinstance(expected, dict):
-        assert list(got) == list(expected), f"{path}: keys {list(got)} != {list(expected)}"
-        for k in expected:
-            assert_same_state(got[k], expected[k], f"{path}/{k}")
-    elif isinstance(expected, np.ndarray):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, path
-        assert got.tobytes() == expected.tobytes(), f"{path}: bytes differ"
-    else:
-        assert got == expected, path
-
-
-def temp_files(root):
-    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if ".tmp-" in f]
 
 
 def ref_step(root):

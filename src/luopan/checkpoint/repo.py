@@ -194,7 +194,7 @@ class Repo:
         result = write_checkpoint(self.store, self.config, known, run, step, skeleton, leaves,
                                   metrics, metadata, overwrite)
         known.update(result.new_locations)
-        return CheckpointInfo.from_manifest(Manifest(result.doc, ""), result.manifest_key)
+        return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
 
     def _chunk_index(self) -> dict[str, BlobLocation]:
         """Chunk hash → location from all index files (refreshed with index files new since the last call)."""

@@ -1,3 +1,22 @@
 """The on-disk format (docs/format.md): canonical JSON, config, chunking, packs, index files, manifests."""
 
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedFormatError
+
 FORMAT_VERSION = 1
+
+
+def refuse_newer(obj: dict[str, Any], where: str) -> None:
+    """UnsupportedFormatError when a parsed file declares a format_version newer than this luopan reads.
+
+    Checked before the checksum: a newer version may seal differently, and must read as "newer", not "damaged".
+    """
+    version = obj.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{where} has format_version {version}, newer than this luopan reads ({FORMAT_VERSION}); "
+            "upgrade luopan (pip install -U luopan)"
+        )

@@ -28,14 +28,19 @@ def seal(obj: dict[str, Any]) -> bytes:
     return canonical({**body, CHECKSUM_FIELD: "blake3:" + digest(canonical(body))})
 
 
-def unseal(data: bytes) -> dict[str, Any]:
-    """Parse sealed JSON, verify and drop its checksum. Raises SealError on any damage."""
+def parse_object(data: bytes) -> dict[str, Any]:
+    """Parse a JSON object; SealError when the bytes are not one."""
     try:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SealError(f"not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise SealError("not a JSON object")
+    return obj
+
+
+def verify_seal(obj: dict[str, Any]) -> dict[str, Any]:
+    """Check and drop the ``checksum`` member of a parsed sealed object. Raises SealError on any damage."""
     recorded = obj.pop(CHECKSUM_FIELD, None)
     if not isinstance(recorded, str):
         raise SealError("no checksum member")
@@ -46,6 +51,11 @@ def unseal(data: bytes) -> dict[str, Any]:
     if actual != recorded:
         raise SealError(f"checksum mismatch (recorded {recorded}, computed {actual})")
     return obj
+
+
+def unseal(data: bytes) -> dict[str, Any]:
+    """Parse sealed JSON, verify and drop its checksum. Raises SealError on any damage."""
+    return verify_seal(parse_object(data))
 
 
 def sealed_checksum(data: bytes) -> str:

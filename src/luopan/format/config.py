@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import ConfigConflictError, CorruptRepoError, UnsupportedFormatError
-from . import FORMAT_VERSION
-from .canonical import SealError, seal, unseal
+from ..errors import ConfigConflictError, CorruptRepoError
+from . import FORMAT_VERSION, refuse_newer
+from .canonical import SealError, parse_object, seal, verify_seal
 
 CONFIG_KEY = "luopan.json"
 DEFAULT_CHUNK_SIZE = 4 << 20  # docs/format.md §3: 7.5 vs 5.7 GB/s two-thread BLAKE3 over 1 MiB chunks
@@ -65,16 +64,9 @@ class RepoConfig:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> RepoConfig:
         try:
-            version = json.loads(data).get("format_version")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            version = None
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            raise UnsupportedFormatError(
-                f"repository {where} has format_version {version}, newer than this luopan reads ({FORMAT_VERSION}); "
-                "upgrade luopan (pip install -U luopan)"
-            )
-        try:
-            d = unseal(data)
+            obj = parse_object(data)
+            refuse_newer(obj, f"repository {where}")
+            d = verify_seal(obj)
             comp = d.pop("compression")
             if d.get("hash") != "blake3":
                 raise ValueError(f"unknown hash {d.get('hash')!r}")

@@ -11,9 +11,9 @@ from typing import Any
 
 from fastjsonschema import JsonSchemaException
 
-from ..errors import CorruptManifestError, UnsupportedFormatError
-from . import FORMAT_VERSION
-from .canonical import SealError, canonical, digest, seal, unseal
+from ..errors import CorruptManifestError
+from . import refuse_newer
+from .canonical import SealError, canonical, digest, parse_object, seal, verify_seal
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -53,10 +53,9 @@ def structure_fingerprint(entries: list[dict[str, Any]]) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A parsed, validated manifest. ``doc`` is the JSON object (without its checksum)."""
+    """A parsed, validated manifest. ``doc`` is the JSON object (without its checksum member)."""
 
     doc: dict[str, Any]
-    checksum: str
 
     @property
     def run(self) -> str:
@@ -104,19 +103,11 @@ def seal_manifest(doc: dict[str, Any]) -> bytes:
 def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | None = None) -> Manifest:
     """Parse and fully validate manifest bytes read from ``where``; typed errors name the file."""
     try:
-        version = json.loads(data).get("format_version")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        version = None
-    if isinstance(version, int) and version > FORMAT_VERSION:
-        raise UnsupportedFormatError(
-            f"{where} has format_version {version}, newer than this luopan reads ({FORMAT_VERSION}); "
-            "upgrade luopan (pip install -U luopan)"
-        )
-    try:
-        doc = unseal(data)
+        obj = parse_object(data)
+        refuse_newer(obj, where)
+        doc = verify_seal(obj)
     except SealError as exc:
         raise CorruptManifestError(f"manifest {where} is damaged: {exc}") from None
-    checksum = json.loads(data)["checksum"]
     try:
         _validator()(doc)
     except JsonSchemaException as e:
@@ -126,7 +117,7 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
         raise CorruptManifestError(
             f"manifest {where} names run {doc['run']!r} step {doc['step']}, not its location's {run!r} step {step}"
         )
-    return Manifest(doc, checksum)
+    return Manifest(doc)
 
 
 def _check_consistency(doc: dict[str, Any], where: str) -> None:
