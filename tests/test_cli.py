@@ -122,3 +122,25 @@ def test_ls_lists_damaged_manifest_without_failing(filled):
     assert json.loads(cli("du", "-r", str(filled), "--json").stdout)["damaged_manifests"] == 1
     r = cli("verify", "-r", str(filled), "run-a")
     assert r.exit_code == 3 and "00000100.json" in r.output
+
+
+def test_export_and_diff(filled, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "m.safetensors"
+    r = cli("export", "-r", str(filled), "run-a", "100", "-o", str(out))
+    assert r.exit_code == 0 and "wrote 3 tensors" in r.output
+    got = load_file(str(out))
+    src = luopan.open(filled).load("run-a", 100)
+    assert set(got) == {"w", "tied", "b"}
+    assert torch.equal(got["w"], src["w"]) and torch.equal(got["tied"], src["w"])
+    assert torch.equal(got["b"], torch.from_numpy(src["b"]))
+    r = cli("export", "-r", str(filled), "run-a", "-o", str(tmp_path / "x.safetensors"), "--subtree", "nope")
+    assert r.exit_code == 4 and "no tensors under 'nope'" in r.output and not (tmp_path / "x.safetensors").exists()
+
+    d = json.loads(cli("diff", "-r", str(filled), "run-a", "100", "200", "--json").stdout)
+    assert [c["path"] for c in d["changed"]] == ["w", "tied"]
+    assert d["changed"][0]["changed_bytes"] == 64 * 1024 and d["changed"][1]["tied_to"] == "w"
+    assert d["changed_bytes"] == 64 * 1024 and d["unchanged"] == 1 and d["same_structure"]
+    r = cli("diff", "-r", str(filled), "run-a", "100", "200")
+    assert r.exit_code == 0 and "2 changed" in r.output

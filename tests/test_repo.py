@@ -243,3 +243,22 @@ def test_temp_leftovers_cleaned_on_open(repo_path):
     luopan.open(repo_path)
     assert not leftover.exists()
     assert sorted(os.listdir(repo_path / "runs" / "r" / "ckpt")) == ["00000001.json"]
+
+
+def test_export_subtree_and_unsupported_dtype(repo, tmp_path):
+    from safetensors import safe_open
+
+    state = {"model": {"emb": torch.randn(300, 64).to(torch.bfloat16), "fp8": torch.randn(5).to(torch.float8_e4m3fn)},
+             "extra": {"c": torch.ones(2, dtype=torch.complex128)}, "step": 4}
+    repo.save("r", 4, state, metrics={"loss": 1.0})
+    info = repo.export("r", tmp_path / "model.safetensors", subtree="model")
+    assert info["tensors"] == 2
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == ["emb", "fp8"]
+        assert f.metadata()["luopan.step"] == "4"
+        assert torch.equal(f.get_tensor("emb").view(torch.int16), state["model"]["emb"].view(torch.int16))
+        assert torch.equal(f.get_tensor("fp8").view(torch.uint8), state["model"]["fp8"].view(torch.uint8))
+    with pytest.raises(luopan.UnsupportedValueError, match="complex128.*--subtree"):
+        repo.export("r", tmp_path / "all.safetensors")
+    assert not (tmp_path / "all.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

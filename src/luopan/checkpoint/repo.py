@@ -37,6 +37,7 @@ from ..store import Store, open_store
 from ..store.base import KeyNotFound
 from ..store.local import TMP_MARK
 from ..tree import flatten, new_array, unflatten
+from .export import diff_manifests, export_safetensors
 from .read import ChunkRef, chunk_refs, read_chunks, verify_chunks
 from .save import write_checkpoint
 
@@ -388,6 +389,26 @@ class Repo:
             err.report = report  # type: ignore[attr-defined]
             raise err
         return report
+
+    def export(
+        self,
+        run: str,
+        path: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        subtree: str | None = None,
+        progress: Callable[[int], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Write a checkpoint (or the tensors under key path ``subtree``, e.g. ``"model"``) to one safetensors file.
+
+        Streams verified chunks, so it needs little memory; the file appears atomically. Tied tensors are written
+        under each name. Non-tensor leaves are not exported. Returns {"path", "tensors", "bytes"}.
+        """
+        return export_safetensors(self.store, self.manifest(run, step), path, subtree, progress)
+
+    def diff(self, run: str, step_a: int, step_b: int) -> dict[str, Any]:
+        """Entries changed, added and removed between two checkpoints of a run, with the bytes that differ."""
+        return diff_manifests(self.manifest(run, step_a), self.manifest(run, step_b))
 
     def du(self) -> dict[str, int]:
         """Logical bytes over all checkpoints vs physical bytes in the store."""

@@ -1,4 +1,4 @@
-"""``luopan`` CLI: init, ls, show, verify, du. The repository comes from ``-r/--repo`` or ``LUOPAN_REPO``.
+"""``luopan`` CLI: init, ls, show, verify, du, export, diff. The repository comes from ``-r/--repo`` or ``LUOPAN_REPO``.
 
 Exit codes: 0 ok, 1 usage or user error, 3 damaged data found, 4 not found, 5 newer format than this luopan.
 """
@@ -93,6 +93,8 @@ def _json_safe(v: Any) -> Any:
         return str(v)
     if isinstance(v, dict):
         return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
     return v
 
 
@@ -249,6 +251,56 @@ def verify(
             raise typer.Exit(3) from None
     out.print(f"[green]ok[/]: {report.checkpoints} checkpoint(s), {report.chunks} chunks, "
               f"{human(report.bytes)} read and verified")
+
+
+@app.command()
+@_handles_errors
+def export(
+    repo: RepoOpt,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
+    output: Annotated[str, typer.Option("--output", "-o", help="safetensors file to write.")] = "model.safetensors",
+    subtree: Annotated[Optional[str], typer.Option(help="Export only the tensors under this key path, e.g. model.")]
+    = None,
+) -> None:
+    """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file."""
+    r = _open(repo)
+    m = r.manifest(run, step)
+    with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("export", total=m.stats["logical_bytes"])
+        info = r.export(run, output, m.step, subtree=subtree, progress=lambda n: bar.advance(task, n))
+    out.print(f"wrote {info['tensors']} tensors ({human(info['bytes'])}) of {run} step {m.step} to {info['path']}")
+
+
+@app.command()
+@_handles_errors
+def diff(
+    repo: RepoOpt,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step_a: Annotated[int, typer.Argument(help="Older step.")],
+    step_b: Annotated[int, typer.Argument(help="Newer step.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """List the entries that changed between two checkpoints of RUN, and how many bytes differ."""
+    r = _open(repo)
+    d = r.diff(run, step_a, step_b)
+    if as_json:
+        _emit_json(_json_safe(d))
+        return
+    t = Table(title=f"{run}: step {step_a} -> {step_b}")
+    for col in ("change", "entry", "dtype", "shape", "bytes differing"):
+        t.add_column(col, justify="right" if col == "bytes differing" else "left")
+    for c in d["changed"]:
+        what = "changed" if c["was"] is None else f"changed (was {c['was']['dtype']}{tuple(c['was']['shape'])})"
+        size = f"= {c['tied_to']}" if c["tied_to"] else f"{human(c['changed_bytes'])} of {human(c['nbytes'])}"
+        t.add_row(what, c["path"], c["dtype"], str(tuple(c["shape"])), size)
+    for kind in ("added", "removed"):
+        for c in d[kind]:
+            t.add_row(kind, c["path"], c["dtype"], str(tuple(c["shape"])), human(c["nbytes"]))
+    out.print(t)
+    out.print(f"{len(d['changed'])} changed, {len(d['added'])} added, {len(d['removed'])} removed, "
+              f"{d['unchanged']} unchanged; {human(d['changed_bytes'])} differ")
 
 
 @app.command()

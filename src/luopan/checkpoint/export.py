@@ -1,0 +1,153 @@
+"""Export: materialise a checkpoint, or one subtree of it, as a single safetensors file.
+
+This is the reference article's "merge base + delta chain into a full model" without any chain: a manifest already
+lists every chunk. The file is streamed chunk by chunk (each verified as read), so exporting needs memory for a few
+chunks, not for the whole model, and it is written atomically (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, UnsupportedValueError
+from ..format.manifest import Manifest
+from ..store.base import Store
+from .parallel import WORKERS, ordered_map
+from .read import ChunkRef, chunk_refs, read_chunk
+
+# safetensors dtype codes, by luopan dtype name (torch names and NumPy names coincide where both exist)
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64",
+}
+
+
+def select_entries(m: Manifest, subtree: str | None) -> list[tuple[str, int]]:
+    """(name in the export, entry index) for every tensor entry at or below ``subtree`` (all when None)."""
+    out = []
+    for i, e in enumerate(m.entries):
+        path = e["path"]
+        if subtree is None:
+            out.append((path, i))
+        elif path == subtree:
+            out.append((path.rsplit("/", 1)[-1], i))
+        elif path.startswith(subtree.rstrip("/") + "/"):
+            out.append((path[len(subtree.rstrip("/")) + 1 :], i))
+    if not out:
+        tops = sorted({e["path"].split("/", 1)[0] for e in m.entries})
+        where = f"under {subtree!r}" if subtree else "at all"
+        raise CheckpointNotFoundError(
+            f"run {m.run!r} step {m.step} has no tensors {where}; top-level keys with tensors: {', '.join(tops)}"
+        )
+    return out
+
+
+def export_safetensors(
+    store: Store,
+    m: Manifest,
+    out_path: str | os.PathLike[str],
+    subtree: str | None = None,
+    progress: Callable[[int], Any] | None = None,
+) -> dict[str, Any]:
+    """Write the selected tensors of manifest ``m`` to ``out_path`` as safetensors. Returns a summary."""
+    selected = select_entries(m, subtree)
+    header: dict[str, Any] = {"__metadata__": {
+        "format": "pt", "luopan.run": m.run, "luopan.step": str(m.step), "luopan.fingerprint": m.doc["fingerprint"],
+    }}
+    refs: list[ChunkRef] = []
+    offset = 0
+    for name, i in selected:
+        e = m.entries[i]
+        code = SAFETENSORS_DTYPES.get(e["dtype"])
+        if code is None:
+            raise UnsupportedValueError(
+                f"entry {e['path']!r} has dtype {e['dtype']}, which safetensors cannot store; export a subtree "
+                "without it (--subtree) or convert it in a copy of the state"
+            )
+        header[name] = {"dtype": code, "shape": e["shape"], "data_offsets": [offset, offset + e["nbytes"]]}
+        offset += e["nbytes"]
+        source = e.get("alias_of", i)  # tied tensors are written once per name (safetensors shares nothing)
+        refs += [ref for _pos, ref in chunk_refs(m, source)]
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
+
+    out_path = os.fspath(out_path)
+    tmp = f"{out_path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def fetch(ref: ChunkRef) -> bytearray:
+        buf = bytearray(ref.size)
+        read_chunk(store, ref, memoryview(buf))
+        return buf
+
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb", closefd=True) as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            with ThreadPoolExecutor(WORKERS, "luopan-export") as pool:
+                for buf in ordered_map(pool, fetch, refs, window=2 * WORKERS):
+                    f.write(buf)
+                    if progress is not None:
+                        progress(len(buf))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(os.path.dirname(os.path.abspath(out_path)), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return {"path": out_path, "tensors": len(selected), "bytes": 8 + len(head) + offset}
+
+
+def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:
+    """Entries added, removed and changed from ``a`` to ``b``, with the bytes of chunks that differ."""
+    def chunks(m: Manifest, e: dict[str, Any]) -> list[tuple[str, int]]:
+        src = m.entries[e["alias_of"]] if "alias_of" in e else e
+        return [(c[0], c[4]) for c in src.get("chunks", [])]
+
+    ea = {e["path"]: e for e in a.entries}
+    eb = {e["path"]: e for e in b.entries}
+    changed = []
+    for path, e in eb.items():
+        old = ea.get(path)
+        if old is None:
+            continue
+        ca, cb = chunks(a, old), chunks(b, e)
+        layout_changed = (old["dtype"], old["shape"]) != (e["dtype"], e["shape"])
+        if layout_changed or ca != cb:
+            differs = [layout_changed or k >= len(ca) or ca[k][0] != h for k, (h, _size) in enumerate(cb)]
+            changed.append({"path": path, "dtype": e["dtype"], "shape": e["shape"], "nbytes": e["nbytes"],
+                            "changed_chunks": sum(differs),
+                            "changed_bytes": sum(size for d, (_h, size) in zip(differs, cb) if d),
+                            "was": {"dtype": old["dtype"], "shape": old["shape"]} if layout_changed else None,
+                            "tied_to": b.entries[e["alias_of"]]["path"] if "alias_of" in e else None})
+    added = [{"path": p, "dtype": e["dtype"], "shape": e["shape"], "nbytes": e["nbytes"]}
+             for p, e in eb.items() if p not in ea]
+    removed = [{"path": p, "dtype": e["dtype"], "shape": e["shape"], "nbytes": e["nbytes"]}
+               for p, e in ea.items() if p not in eb]
+    return {
+        "run": b.run, "from_step": a.step, "to_step": b.step,
+        "changed": changed, "added": added, "removed": removed,
+        "unchanged": sum(1 for p in eb if p in ea) - len(changed),
+        # tied entries share their first name's chunks: count those bytes once
+        "changed_bytes": sum(c["changed_bytes"] for c in changed if c["tied_to"] is None)
+        + sum(eb[x["path"]]["nbytes"] for x in added if "alias_of" not in eb[x["path"]]),
+        "metrics": {"from": a.metrics, "to": b.metrics},
+        "same_structure": a.doc["fingerprint"] == b.doc["fingerprint"],
+    }
