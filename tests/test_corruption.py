@@ -259,7 +259,62 @@ def test_properly_sealed_manifest_with_inconsistent_sizes_is_corrupt(two_steps):
     def edit(doc):
         doc["entries"][0]["nbytes"] += 1
     _reseal_manifest(two_steps, 2, edit)
-    _assert_manifest_2_damaged(two_steps, match="expected")
+    _assert_manifest_2_damaged(two_steps, match="is not 1048577 bytes")
+
+
+def _grow_shape(doc):
+    doc["entries"][0]["shape"][0] *= 16  # claims more elements than its chunks hold: must never load garbage
+
+
+def _shrink_shape(doc):
+    doc["entries"][0]["shape"][0] //= 2
+
+
+def _object_dtype(doc):
+    doc["entries"][0]["kind"] = "numpy"
+    doc["entries"][0]["dtype"] = "object"
+
+
+def _torch_attr_dtype(doc):
+    doc["entries"][0]["kind"] = "torch"
+    doc["entries"][0]["dtype"] = "load"  # a torch module attribute, not a dtype
+
+
+def _wider_dtype(doc):
+    doc["entries"][0]["dtype"] = "float64"
+
+
+def _huge_chunk(doc):
+    doc["entries"][0]["chunks"][0][4] = 10**12
+    doc["entries"][0]["chunks"][0][3] = 10**12
+
+
+def _stored_length_differs(doc):
+    doc["entries"][0]["chunks"][0][3] -= 1
+
+
+def _mismatched_alias(doc):
+    doc["entries"].append(dict(doc["entries"][1], alias_of=0))
+    doc["entries"][-1].pop("chunks")
+    doc["entries"][-1].pop("chunking")
+    doc["entries"][-1]["path"] = "model/alias"
+    doc["tree"]["dict"][0][1]["dict"].append(["alias", {"entry": len(doc["entries"]) - 1}])
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_grow_shape, "is not .* bytes"),
+    (_shrink_shape, "is not .* bytes"),
+    (_object_dtype, "unsupported numpy dtype 'object'"),
+    (_torch_attr_dtype, "unsupported torch dtype 'load'"),
+    (_wider_dtype, "is not .* bytes"),
+    (_huge_chunk, "impossible size"),
+    (_stored_length_differs, "impossible size"),
+    (_mismatched_alias, "different type or shape"),
+])
+def test_hostile_but_properly_sealed_manifests_are_refused(two_steps, edit, match):
+    """A manifest that passes its checksum can still lie; every lie that would reach memory is refused."""
+    _reseal_manifest(two_steps, 2, edit)
+    _assert_manifest_2_damaged(two_steps, match=match)
 
 
 def test_manifest_at_the_wrong_location_is_corrupt(two_steps):

@@ -19,6 +19,30 @@ from .format.names import join_path
 
 _NUMPY_KINDS = "biufc"
 
+# The torch dtypes luopan stores, by name, with their element size. A whitelist: a name read from a manifest is
+# never looked up on the torch module unless it is here, and a dtype a future torch adds is refused, not guessed.
+TORCH_DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
+}
+
+
+def itemsize(kind: str, dtype: str) -> int | None:
+    """Element size of a stored dtype name, or None when luopan does not store that dtype."""
+    if kind == "torch":
+        return TORCH_DTYPE_SIZES.get(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError):
+        return None
+    if dt.kind not in _NUMPY_KINDS or dt.fields is not None or dt.name != dtype:
+        return None
+    return dt.itemsize
+
 
 @dataclass
 class Leaf:
@@ -165,6 +189,9 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
             raise _refuse(path, "a tensor on the meta device (it has no data)", "materialise it first")
         if getattr(t, "is_nested", False):
             raise _refuse(path, "a nested tensor", "store its components (t.unbind()) instead")
+        if torch_dtype_name(t.dtype) not in TORCH_DTYPE_SIZES:
+            raise _refuse(path, f"a tensor of dtype {t.dtype}", "luopan does not store this dtype yet; convert it "
+                          "(e.g. t.view(torch.uint8) with the dtype recorded in your metadata)")
         nbytes = t.numel() * t.element_size()
         identity = None
         if nbytes:
@@ -205,6 +232,8 @@ def new_array(kind: str, dtype: str, shape: list[int]) -> tuple[Any, memoryview]
                 raise LuopanError(
                     "this checkpoint holds torch tensors; install torch (pip install 'luopan[torch]')"
                 ) from None
+        if dtype not in TORCH_DTYPE_SIZES:  # never getattr an unchecked name on the torch module
+            raise ValueError(f"unsupported torch dtype {dtype!r}")
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
     arr = np.empty(shape, dtype=np.dtype(dtype))

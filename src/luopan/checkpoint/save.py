@@ -171,6 +171,7 @@ def write_checkpoint(
                 return i, h, memoryview(z), len(view), "zstd"
         return i, h, view, len(view), "none"
 
+    index_name = None
     try:
         with ThreadPoolExecutor(WORKERS, "luopan-hash") as pool:
             for i, h, stored, size, blob_codec in ordered_map(pool, work, items(), window=2 * WORKERS):
@@ -182,13 +183,16 @@ def write_checkpoint(
                 new_bytes += size
                 crashpoint("chunk.written")
         writer.finish()
-        index_id = None
         if writer.written:
             index_id, index_bytes = build_index(writer.written)
-            store.put_if_absent(index_key(index_id), index_bytes)
+            index_name = index_key(index_id)
+            store.put_if_absent(index_name, index_bytes)
     except BaseException:
         writer.close()
-        writer.discard()
+        # Once the index is visible (even if its put then failed, e.g. in the directory fsync) other writers may
+        # dedup against these packs: from then on they are left to garbage collection, never deleted here.
+        if index_name is None or not _exists_quietly(store, index_name):
+            writer.discard()
         raise
     writer.close()
 
@@ -235,13 +239,20 @@ def write_checkpoint(
         doc["code"] = code
     data = seal_manifest(doc)  # raises on metadata that is not JSON
     mkey = manifest_key(run, step)
-    if overwrite:
-        store.put(mkey, data)
-    elif not store.put_if_absent(mkey, data):
-        raise CheckpointExistsError(
-            f"run {run!r} step {step} was committed by another writer during this save; "
-            "pass overwrite=True to replace it"
-        )
+    try:
+        if overwrite:
+            store.put(mkey, data)
+        elif not store.put_if_absent(mkey, data):
+            raise CheckpointExistsError(
+                f"run {run!r} step {step} was committed by another writer during this save; "
+                "pass overwrite=True to replace it"
+            )
+    except OSError:
+        # The manifest may be visible but not durable (e.g. the directory fsync failed). A save that raises must
+        # not leave a checkpoint behind, so take ours back (best effort) before reporting the failure.
+        if not overwrite:
+            _retract(store, mkey, data)
+        raise
     # The checkpoint is committed now. The ref is advisory (docs/format.md §9): failing to update it must not
     # report the save as failed, or a caller would retry a step that already exists.
     ref = {"manifest": mkey, "manifest_checksum": sealed_checksum(data), "step": step}
@@ -251,3 +262,18 @@ def write_checkpoint(
         warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
                       f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=3)
     return SaveResult(mkey, doc, new_locations)
+
+
+def _retract(store: Store, key: str, data: bytes) -> None:
+    try:
+        if store.get(key) == data:
+            store.delete(key)
+    except OSError:
+        pass
+
+
+def _exists_quietly(store: Store, key: str) -> bool:
+    try:
+        return store.exists(key)
+    except OSError:
+        return True  # unknown: assume visible, keep the packs

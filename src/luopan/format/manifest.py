@@ -120,34 +120,61 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
     return Manifest(doc)
 
 
+MAX_CHUNK_BYTES = 1 << 30  # the largest chunk_size a repository may have (format/config.py)
+
+
 def _check_consistency(doc: dict[str, Any], where: str) -> None:
+    """What the schema cannot say: sizes agree with dtypes and shapes, indices are in range, aliases match.
+
+    Every check here guards a read path: without it a damaged or hostile manifest could make `load` return memory
+    it never read (shape larger than nbytes), or allocate absurd buffers.
+    """
+    from ..tree import itemsize
+
+    def bad(msg: str) -> CorruptManifestError:
+        return CorruptManifestError(f"manifest {where}: {msg}")
+
     npacks = len(doc["packs"])
     entries = doc["entries"]
     for i, e in enumerate(entries):
+        path = e["path"]
+        size = itemsize(e["kind"], e["dtype"])
+        if size is None:
+            raise bad(f"entry {path!r} has unsupported {e['kind']} dtype {e['dtype']!r}")
+        if math.prod(e["shape"]) * size != e["nbytes"]:
+            raise bad(f"entry {path!r}: shape {e['shape']} of {e['dtype']} is not {e['nbytes']} bytes")
+        if e.get("scalar") and e["shape"]:
+            raise bad(f"entry {path!r} is a scalar with shape {e['shape']}")
         if "alias_of" in e:
             j = e["alias_of"]
             if j >= i or "alias_of" in entries[j]:
-                raise CorruptManifestError(f"manifest {where}: entry {e['path']!r} aliases an invalid entry {j}")
+                raise bad(f"entry {path!r} aliases an invalid entry {j}")
+            if any(entries[j][k] != e[k] for k in ("kind", "dtype", "shape", "nbytes")):
+                raise bad(f"entry {path!r} aliases entry {entries[j]['path']!r} of a different type or shape")
             continue
         total = 0
         for c in e["chunks"]:
-            if c[1] >= npacks:
-                raise CorruptManifestError(f"manifest {where}: entry {e['path']!r} names pack #{c[1]} of {npacks}")
-            total += c[4]
+            _h, pack, _off, length, csize, codec = c
+            if pack >= npacks:
+                raise bad(f"entry {path!r} names pack #{pack} of {npacks}")
+            if csize == 0 or csize > MAX_CHUNK_BYTES or (length != csize if codec == "none" else length > csize):
+                raise bad(f"entry {path!r} has a chunk of impossible size (stored {length}, raw {csize})")
+            total += csize
         if total != e["nbytes"]:
-            raise CorruptManifestError(
-                f"manifest {where}: entry {e['path']!r} chunks hold {total} bytes, expected {e['nbytes']}"
-            )
+            raise bad(f"entry {path!r} chunks hold {total} bytes, expected {e['nbytes']}")
 
     def walk(node: dict[str, Any]) -> None:
         (tag, value), = node.items()
-        if tag in ("dict",):
+        if tag == "dict":
             for _k, v in value:
                 walk(v)
         elif tag in ("list", "tuple"):
             for v in value:
                 walk(v)
         elif tag == "entry" and value >= len(entries):
-            raise CorruptManifestError(f"manifest {where}: tree names entry #{value} of {len(entries)}")
+            raise bad(f"tree names entry #{value} of {len(entries)}")
 
-    walk(doc["tree"])
+    try:
+        walk(doc["tree"])
+    except RecursionError:
+        raise bad("tree is nested too deeply") from None

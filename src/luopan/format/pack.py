@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,9 @@ class PackBuilder:
 
     def finish(self) -> tuple[str, list[memoryview], int]:
         """(pack id, the file's parts in order, total file size)."""
-        trailer = canonical({"blobs": self.blobs, "version": PACK_VERSION})
+        # The nonce makes every pack id unique to the save that wrote it, even for identical chunks: a writer may
+        # then delete its own packs after a failed save without ever touching a pack another writer committed.
+        trailer = canonical({"blobs": self.blobs, "nonce": secrets.token_hex(16), "version": PACK_VERSION})
         pack_id = self.pack_id = blake3.blake3(trailer).hexdigest()
         footer = struct.pack("<Q", len(trailer)) + TRAILER_MAGIC
         parts = [memoryview(HEADER), *self.parts, memoryview(trailer), memoryview(footer)]
