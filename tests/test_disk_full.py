@@ -23,17 +23,15 @@ TMPFS_SIZE = "12m"
 FILLER_BYTES = 4 << 20
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 12 MiB tmpfs mounted on a temp dir; always unmounted afterwards."""
+def _mounted_tmpfs(tmp_path, options):
+    """Mount a tmpfs with `options` on a temp dir (skipping, with the reason, where that is impossible)."""
     if os.geteuid() != 0:
         pytest.skip("disk-full tests mount a small tmpfs, which needs root")
     if shutil.which("mount") is None or shutil.which("umount") is None:
         pytest.skip("disk-full tests need the mount/umount commands")
     mnt = tmp_path / "small"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs for the disk-full test: {proc.stderr.strip() or proc.returncode}")
     try:
@@ -41,6 +39,30 @@ def small_fs(tmp_path):
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 12 MiB tmpfs mounted on a temp dir; always unmounted afterwards."""
+    yield from _mounted_tmpfs(tmp_path, f"size={TMPFS_SIZE}")
+
+
+@pytest.fixture
+def few_inodes_fs(tmp_path):
+    """A tmpfs with plenty of bytes but only 40 inodes."""
+    yield from _mounted_tmpfs(tmp_path, "size=64m,nr_inodes=40")
+
+
+def test_running_out_of_inodes_is_a_typed_storage_full_error(few_inodes_fs):
+    """Out of inodes fails file/directory creation (not a data write): still StorageFullError, nothing partial."""
+    repo = luopan.open(few_inodes_fs / "repo", chunk_size=4096, pack_size=4096)
+    committed = []
+    with pytest.raises(luopan.StorageFullError, match="no space left"):
+        for step in range(200):
+            repo.save(RUN, step, {"x": np.random.default_rng(step).standard_normal(2048)})
+            committed.append(step)
+    assert committed and repo.steps(RUN) == committed
+    assert repo.verify(RUN).ok
 
 
 def free_bytes(path) -> int:

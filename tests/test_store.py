@@ -26,19 +26,64 @@ class TestLocalStore(StoreSuite):
         names = [n for _, _, files in os.walk(s.root) for n in files]
         assert sorted(names) == ["b", "c"]
 
-    def test_cleanup_removes_only_dead_writers_temporaries(self, tmp_path):
+    def test_cleanup_removes_only_abandoned_temporaries(self, tmp_path):
+        import fcntl
+
         s = self.make_store(tmp_path)
         s.put("d/keep", b"1")
         d = os.path.join(s.root, "d")
-        dead = os.path.join(d, f"x{TMP_MARK}{_HOST}-999999999-abcd")  # no such pid
+        dead = os.path.join(d, f"x{TMP_MARK}{_HOST}-999999999-abcd")  # nobody holds its lock
+        other_host = os.path.join(d, f"z{TMP_MARK}otherhost-1-abcd")  # same: lock-based, host does not matter
         live = os.path.join(d, f"y{TMP_MARK}{_HOST}-{os.getpid()}-abcd")
-        other_host = os.path.join(d, f"z{TMP_MARK}otherhost-1-abcd")
         for p in (dead, live, other_host):
             open(p, "wb").close()
-        assert sorted(s.list("d/")) == ["d/keep"]  # temporaries are never listed
-        assert s.cleanup_temporaries() == 1
-        assert not os.path.exists(dead)
-        assert os.path.exists(live) and os.path.exists(other_host)
+        fd = os.open(live, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a writer in flight holds its temp file's lock until the rename
+        try:
+            assert sorted(s.list("d/")) == ["d/keep"]  # temporaries are never listed
+            assert s.cleanup_temporaries() == 2
+            assert not os.path.exists(dead) and not os.path.exists(other_host)
+            assert os.path.exists(live)
+        finally:
+            os.close(fd)
+        assert s.cleanup_temporaries() == 1 and not os.path.exists(live)
+
+    def test_writer_holds_its_temp_file_lock_until_renamed(self, tmp_path, monkeypatch):
+        """Cleanup running in the middle of a put (after the temp file is written, before the rename) must not
+        delete the writer's temp file."""
+        from luopan.store import local
+
+        s = self.make_store(tmp_path)
+        seen = []
+
+        def cleanup_during_write(name):
+            if name == "file.fsynced":
+                seen.append(s.cleanup_temporaries())
+
+        monkeypatch.setattr(local, "crashpoint", cleanup_during_write)
+        s.put("a/b", b"payload")
+        assert seen == [0] and s.get("a/b") == b"payload"
+
+    def test_cleanup_tolerates_a_read_only_repository(self, tmp_path):
+        s = self.make_store(tmp_path)
+        s.put("d/keep", b"1")
+        d = os.path.join(s.root, "d")
+        open(os.path.join(d, f"x{TMP_MARK}{_HOST}-999999999-abcd"), "wb").close()
+        os.chmod(d, 0o555)
+        try:
+            if os.access(d, os.W_OK):  # root ignores permissions: simulate with a failing unlink instead
+                import luopan.store.local as local
+
+                orig = local.os.unlink
+                local.os.unlink = lambda p: (_ for _ in ()).throw(PermissionError(13, "read-only", p))
+                try:
+                    assert s.cleanup_temporaries() == 0
+                finally:
+                    local.os.unlink = orig
+            else:
+                assert s.cleanup_temporaries() == 0
+        finally:
+            os.chmod(d, 0o755)
 
     @pytest.mark.parametrize("bad", ["/abs", "a/../b", "a\\b", "nul\0", ""])
     def test_rejects_unsafe_keys(self, tmp_path, bad):

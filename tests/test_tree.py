@@ -150,3 +150,33 @@ def test_cycles_are_refused(repo):
     d["self"] = d
     with pytest.raises(luopan.UnsupportedValueError, match="contains itself"):
         repo.save("cyc", 0, d)
+
+
+@pytest.mark.parametrize("value, match", [
+    ({1: "a", "1": "b"}, "both keys 1 and '1'"),
+    ({"big": 10**5000}, "4300 digits"),
+    ({"s": "\ud800"}, "surrogate"),
+    ({"\ud800": 1}, "surrogate"),
+])
+def test_values_json_cannot_store_are_refused_before_writing(repo, value, match):
+    with pytest.raises(luopan.UnsupportedValueError, match=match):
+        repo.save("bad", 0, value)
+    assert list(repo.store.list("packs/")) == [] and list(repo.store.list("index/")) == []
+
+
+def test_deep_nesting_and_bad_metrics_are_typed_errors(repo):
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(luopan.UnsupportedValueError, match="deeply"):
+        repo.save("bad", 0, {"d": deep})
+    with pytest.raises(luopan.UnsupportedValueError, match="metrics"):
+        repo.save("bad", 0, {}, metrics={"loss": torch.ones(3)})
+
+
+def test_hostile_deeply_nested_manifest_is_corrupt_not_a_crash(repo):
+    repo.save("r", 1, {"x": np.zeros(2)})
+    key = next(repo.store.list("runs/r/ckpt/"))
+    repo.store.put(key, b"[" * 200_000)
+    with pytest.raises(luopan.CorruptManifestError):
+        repo.load("r")

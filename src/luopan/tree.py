@@ -146,6 +146,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
     def walk_container(value: Any, path: str) -> dict[str, Any]:
         if isinstance(value, dict):
             items = []
+            names: dict[str, Any] = {}
             for k, v in value.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise _refuse(
@@ -153,6 +154,10 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                         f"a dict key of type {type(k).__name__} ({k!r})",
                         "dict keys must be str or int; convert the key, e.g. str(key)",
                     )
+                if str(k) in names:  # 1 and "1" would share the key path "1"
+                    raise _refuse(join_path(path, k), f"both keys {names[str(k)]!r} and {k!r} in one dict",
+                                  "key paths must be unique; rename one of the keys")
+                names[str(k)] = k
                 items.append([k, walk(v, join_path(path, k))])
             return {"dict": items}
         if type(value) is list:
@@ -200,7 +205,10 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         return leaf(path, t, "torch", identity, dtype=torch_dtype_name(t.dtype), shape=tuple(t.shape),
                     nbytes=nbytes)
 
-    return walk(state, ""), leaves
+    try:
+        return walk(state, ""), leaves
+    except RecursionError:
+        raise UnsupportedValueError("cannot save a state tree nested this deeply; flatten it") from None
 
 
 def unflatten(node: dict[str, Any], entry: Callable[[int], Any]) -> Any:

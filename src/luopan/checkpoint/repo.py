@@ -24,7 +24,7 @@ from ..errors import (
 from ..format.canonical import canonical
 from ..format.config import CONFIG_KEY, Compression, RepoConfig
 from ..format.index import parse_index
-from ..format.manifest import Manifest, parse_manifest
+from ..format.manifest import Manifest, encode_metrics, parse_manifest
 from ..format.names import (
     check_run,
     check_step,
@@ -184,13 +184,13 @@ class Repo:
                 f"run {run!r} already has a checkpoint at step {step}; pass overwrite=True to replace it"
             )
         _check_json("metadata", metadata, dict)
-        skeleton, leaves = flatten(state)
         try:
-            from ..format.manifest import encode_metrics
-
             encode_metrics(metrics)
-        except TypeError as exc:
-            raise UnsupportedValueError(f"bad metrics: {exc}") from None
+        except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: .item() of a multi-element tensor
+            raise UnsupportedValueError(f"bad metrics: {exc}; pass numbers, str, bool or None") from None
+        skeleton, leaves = flatten(state)
+        # Everything that goes into the manifest is checked before any pack is written.
+        _check_json("state", skeleton, dict)
         known = self._chunk_index()
         result = write_checkpoint(self.store, self.config, known, run, step, skeleton, leaves,
                                   metrics, metadata, overwrite)
@@ -470,7 +470,8 @@ def _check_json(name: str, value: Any, kind: type) -> None:
         raise UnsupportedValueError(f"{name} must be a {kind.__name__} of JSON values, got {type(value).__name__}")
     try:
         canonical(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, ints > 4300 digits, lone surrogates
         raise UnsupportedValueError(
-            f"{name} must hold only JSON values (str, finite numbers, bool, None, lists, dicts): {exc}"
+            f"{name} must hold only JSON-storable values (str without lone surrogates, finite numbers, ints under "
+            f"4300 digits, bool, None, lists, dicts): {exc}"
         ) from None

@@ -34,6 +34,8 @@ def parse_object(data: bytes) -> dict[str, Any]:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SealError(f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise SealError("JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise SealError("not a JSON object")
     return obj
@@ -46,8 +48,8 @@ def verify_seal(obj: dict[str, Any]) -> dict[str, Any]:
         raise SealError("no checksum member")
     try:
         actual = "blake3:" + digest(canonical(obj))
-    except ValueError as exc:  # e.g. NaN tokens, which canonical JSON never contains
-        raise SealError(f"not canonical JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # e.g. NaN tokens, which canonical JSON never contains
+        raise SealError(f"not canonical JSON ({exc!r})") from None
     if actual != recorded:
         raise SealError(f"checksum mismatch (recorded {recorded}, computed {actual})")
     return obj

@@ -8,6 +8,7 @@ only leftovers of dead writers, never a live writer's file.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -74,42 +75,47 @@ class LocalStore(Store):
                 _fsync_dir(parent)  # the new directory entry must survive a crash too
         self._dirs.add(d)
 
-    def _write_temp(self, path: str, data: Data, kind: str) -> str:
-        d = os.path.dirname(path)
-        self._ensure_dir(d)
+    def _write_temp(self, path: str, data: Data, kind: str) -> tuple[str, int]:
+        """Write ``data`` to a new locked temp file beside ``path`` and fsync it. Returns (temp path, open fd).
+
+        The fd holds an exclusive flock until the caller has renamed/linked the file and closes it: cleanup in
+        another process deletes a temp file only if it can take that lock, i.e. only if its writer is gone.
+        """
+        self._ensure_dir(os.path.dirname(path))
         tmp = f"{path}{TMP_MARK}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-        parts = as_parts(data)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            try:
-                i = 0
-                while i < len(parts):
-                    batch = parts[i : i + _IOV_MAX]
-                    n = os.writev(fd, batch)
-                    # advance past what was written (writev may be short)
-                    while batch and n >= len(batch[0]):
-                        n -= len(batch[0])
-                        batch.pop(0)
-                        i += 1
-                    if batch and n:
-                        parts[i] = parts[i][n:]
-                crashpoint(f"{kind}.written")
-                os.fsync(fd)
-                crashpoint(f"{kind}.fsynced")
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            _unlink_quietly(tmp)
-            if exc.errno in _FULL_ERRNOS:
-                raise StorageFullError(
-                    f"no space left on {self.root!r} while writing {os.path.basename(path)}: nothing was committed; "
-                    "free space (e.g. delete old checkpoints) and save again"
-                ) from exc
-            raise
+            _try_lock(fd)
+            parts = as_parts(data)
+            i = 0
+            while i < len(parts):
+                batch = parts[i : i + _IOV_MAX]
+                n = os.writev(fd, batch)
+                # advance past what was written (writev may be short)
+                while batch and n >= len(batch[0]):
+                    n -= len(batch[0])
+                    batch.pop(0)
+                    i += 1
+                if batch and n:
+                    parts[i] = parts[i][n:]
+            crashpoint(f"{kind}.written")
+            os.fsync(fd)
+            crashpoint(f"{kind}.fsynced")
         except BaseException:
+            os.close(fd)
             _unlink_quietly(tmp)
             raise
-        return tmp
+        return tmp, fd
+
+    def _full(self, exc: OSError, path: str) -> OSError:
+        """StorageFullError for out-of-space (blocks, inodes, quota) at any step of a write; else ``exc``."""
+        if exc.errno in _FULL_ERRNOS and not isinstance(exc, StorageFullError):
+            return StorageFullError(
+                exc.errno,
+                f"no space left on {self.root!r} while writing {os.path.basename(path)}: the write was not "
+                "committed; free space (e.g. delete old checkpoints) and save again",
+            )
+        return exc
 
     # -- primitives ---------------------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
@@ -148,39 +154,57 @@ class LocalStore(Store):
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
         kind = _crash_kind(key)
-        tmp = self._write_temp(path, data, kind)
         try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        crashpoint(f"{kind}.renamed")
-        _fsync_dir(os.path.dirname(path))
-        crashpoint(f"{kind}.dirsynced")
+            tmp, fd = self._write_temp(path, data, kind)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            finally:
+                os.close(fd)
+            crashpoint(f"{kind}.renamed")
+            _fsync_dir(os.path.dirname(path))
+            crashpoint(f"{kind}.dirsynced")
+        except OSError as exc:
+            full = self._full(exc, path)
+            if full is exc:
+                raise
+            raise full from exc
 
     def put_if_absent(self, key: str, data: Data) -> bool:
         path = self._path(key)
         if os.path.exists(path):
             return False
         kind = _crash_kind(key)
-        tmp = self._write_temp(path, data, kind)
         try:
+            tmp, fd = self._write_temp(path, data, kind)
             try:
-                os.link(tmp, path)  # atomic and never replaces an existing file
-            except FileExistsError:
-                return False
-            except OSError as exc:  # filesystems without hard links: exists-check + rename
-                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                    raise
-                if os.path.exists(path):
+                try:
+                    os.link(tmp, path)  # atomic and never replaces an existing file
+                except FileExistsError:
                     return False
-                os.rename(tmp, path)
-            crashpoint(f"{kind}.renamed")
-        finally:
-            _unlink_quietly(tmp)
-        _fsync_dir(os.path.dirname(path))
-        crashpoint(f"{kind}.dirsynced")
-        return True
+                except OSError as exc:
+                    # Filesystems without hard links: exists-check + rename. Not atomic against a second writer
+                    # of the same key (docs/format.md §10 rule 3); content-addressed keys make that harmless
+                    # except for manifests, where the last rename wins.
+                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                        raise
+                    if os.path.exists(path):
+                        return False
+                    os.rename(tmp, path)
+                crashpoint(f"{kind}.renamed")
+            finally:
+                _unlink_quietly(tmp)
+                os.close(fd)
+            _fsync_dir(os.path.dirname(path))
+            crashpoint(f"{kind}.dirsynced")
+            return True
+        except OSError as exc:
+            full = self._full(exc, path)
+            if full is exc:
+                raise
+            raise full from exc
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -220,22 +244,13 @@ class LocalStore(Store):
 
     # -- conveniences -------------------------------------------------------------------------------------------
     def cleanup_temporaries(self) -> int:
+        """Remove temp files whose writer is gone: ones whose flock can be taken (a live writer holds it until its
+        rename), or, where the filesystem has no locks, ones of a dead pid on this host or older than a day.
+        Never fails: a read-only repository or an unremovable file is left as it is."""
         removed = 0
-        now = time.time()
         for dirpath, _dirs, files in os.walk(self.root):
             for name in files:
-                if TMP_MARK not in name:
-                    continue
-                path = os.path.join(dirpath, name)
-                owner = name.rsplit(TMP_MARK, 1)[1].split("-")
-                try:
-                    host, pid = owner[0], int(owner[1])
-                    mtime = os.stat(path).st_mtime
-                except (IndexError, ValueError, FileNotFoundError):
-                    continue
-                dead = host == _HOST and not _pid_alive(pid)
-                if dead or now - mtime > STALE_TMP_SECONDS:
-                    _unlink_quietly(path)
+                if TMP_MARK in name and _remove_if_abandoned(os.path.join(dirpath, name)):
                     removed += 1
         return removed
 
@@ -254,3 +269,45 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            return False  # no locks on this filesystem: cleanup falls back to pid/age
+        raise
+
+
+def _remove_if_abandoned(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            abandoned = True
+        except BlockingIOError:
+            return False  # a live writer holds it
+        except OSError:
+            abandoned = _abandoned_by_pid_or_age(path)
+        if abandoned:
+            os.unlink(path)
+        return abandoned
+    except OSError:  # read-only repository, permissions: leave it
+        return False
+    finally:
+        os.close(fd)
+
+
+def _abandoned_by_pid_or_age(path: str) -> bool:
+    owner = os.path.basename(path).rsplit(TMP_MARK, 1)[1].split("-")
+    try:
+        host, pid = owner[0], int(owner[1])
+        mtime = os.stat(path).st_mtime
+    except (IndexError, ValueError, OSError):
+        return False
+    return (host == _HOST and not _pid_alive(pid)) or time.time() - mtime > STALE_TMP_SECONDS
