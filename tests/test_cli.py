@@ -144,3 +144,15 @@ def test_export_and_diff(filled, tmp_path):
     assert d["changed_bytes"] == 64 * 1024 and d["unchanged"] == 1 and d["same_structure"]
     r = cli("diff", "-r", str(filled), "run-a", "100", "200")
     assert r.exit_code == 0 and "2 changed" in r.output
+
+
+def test_version_and_bad_option_values(tmp_path):
+    r = cli("--version")
+    assert r.exit_code == 0 and "luopan 0.1.0" in r.output and "format 1" in r.output
+    r = cli("init", "-r", str(tmp_path / "x"), "--compression", "zstd:abc")
+    assert r.exit_code == 1 and "zstd:LEVEL" in r.output and not (tmp_path / "x" / "luopan.json").exists()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("x")
+    r = cli("init", "-r", str(tmp_path / "busy"))
+    assert r.exit_code == 1 and "not empty" in r.output
+    assert cli("ls", "--no-such-flag", "-r", str(tmp_path)).exit_code == 2

@@ -33,7 +33,7 @@ def test_open_refuses_conflicting_options_and_non_repo_dirs(tmp_path):
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("mine")
-    with pytest.raises(luopan.RepoNotFoundError, match="not empty"):
+    with pytest.raises(luopan.NotARepositoryError, match="not empty"):
         luopan.open(junk)
     assert (junk / "notes.txt").read_text() == "mine"
     with pytest.raises(luopan.RepoNotFoundError, match="luopan init"):
@@ -262,3 +262,12 @@ def test_export_subtree_and_unsupported_dtype(repo, tmp_path):
         repo.export("r", tmp_path / "all.safetensors")
     assert not (tmp_path / "all.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_only_canonical_manifest_names_count_as_steps(repo, repo_path):
+    repo.save("r", 100, {"x": np.zeros(2)})
+    ckpt = repo_path / "runs" / "r" / "ckpt"
+    (ckpt / "000000100.json").write_bytes((ckpt / "00000100.json").read_bytes())  # a stray 9-digit copy
+    (ckpt / "0000010٠.json").write_bytes(b"{}")  # non-ASCII digit
+    assert repo.steps("r") == [100]
+    assert [c.step for c in repo.checkpoints("r")] == [100]

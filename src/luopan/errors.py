@@ -27,6 +27,10 @@ class RepoExistsError(LuopanError, FileExistsError):
     """`init` on a location that already holds a repository."""
 
 
+class NotARepositoryError(LuopanError, FileExistsError):
+    """Creating a repository in a directory that holds other files."""
+
+
 class ConfigConflictError(LuopanError, ValueError):
     """Options given to `open` conflict with the existing repository's config."""
 

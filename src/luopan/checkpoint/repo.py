@@ -16,9 +16,11 @@ from ..errors import (
     CorruptRepoError,
     IntegrityError,
     LuopanError,
+    NotARepositoryError,
     RepoExistsError,
     RepoNotFoundError,
     StateMismatchError,
+    UnsupportedFormatError,
     UnsupportedValueError,
 )
 from ..format.canonical import canonical
@@ -124,7 +126,7 @@ def _create(store: Store, chunk_size: int | None, pack_size: int | None,
     store.cleanup_temporaries()  # e.g. the config's own temp file from a creation that crashed
     root = getattr(store, "root", None)
     if root is not None and os.path.isdir(root) and any(TMP_MARK not in e.name for e in os.scandir(root)):
-        raise RepoNotFoundError(
+        raise NotARepositoryError(
             f"{root} exists, is not empty and is not a luopan repository: refusing to create one there; "
             "choose an empty or new directory"
         )
@@ -366,12 +368,12 @@ class Repo:
                                                                              else self.steps(r))]
         if run is not None and not targets:
             raise CheckpointNotFoundError(self._no_checkpoint(run))
-        problems: list[IntegrityError] = []
+        problems: list[LuopanError] = []
         refs: dict[str, ChunkRef] = {}
         for r, s in targets:
             try:
                 m = self.manifest(r, s)
-            except IntegrityError as exc:
+            except (IntegrityError, UnsupportedFormatError) as exc:
                 problems.append(exc)
                 continue
             for i in range(len(m.entries)):

@@ -1,6 +1,6 @@
 """``luopan`` CLI: init, ls, show, verify, du, export, diff. The repository comes from ``-r/--repo`` or ``LUOPAN_REPO``.
 
-Exit codes: 0 ok, 1 usage or user error, 3 damaged data found, 4 not found, 5 newer format than this luopan.
+Exit codes: 0 ok, 1 user error, 2 usage (bad flags), 3 damaged data found, 4 not found, 5 newer format.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from rich.table import Table
 
 from .. import checkpoint as _checkpoint  # noqa: F401  (package import order)
 from ..checkpoint.repo import CheckpointInfo, Repo, init as repo_init, open as repo_open
+from ..format import FORMAT_VERSION
 from ..format.names import manifest_key
-from ..errors import IntegrityError, LuopanError
+from ..errors import IntegrityError, LuopanError, UnsupportedFormatError
 
 app = typer.Typer(
     name="luopan",
@@ -174,7 +175,7 @@ def _checkpoints(r: Repo, run: str) -> tuple[list[CheckpointInfo], list[tuple[in
     for step in r.steps(run):
         try:
             infos.append(CheckpointInfo.from_manifest(r.manifest(run, step), manifest_key(run, step)))
-        except IntegrityError as exc:
+        except (IntegrityError, UnsupportedFormatError) as exc:
             damaged.append((step, str(exc)))
     return infos, damaged
 
@@ -317,6 +318,25 @@ def du(repo: RepoOpt, as_json: JsonOpt = False) -> None:
               f"{human(d['physical_bytes'])} on storage ({ratio:.1f}× dedup)")
     out.print(f"  packs {human(d['pack_bytes'])}, index {human(d['index_bytes'])}, "
               f"manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])}")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        out.print(f"luopan {__version__} (repository format {FORMAT_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """luopan (落盘): atomic, verified, incremental checkpoints for AI runs.
+
+    Exit codes: 0 ok, 1 error, 2 usage, 3 damaged data, 4 not found, 5 repository newer than this luopan.
+    """
 
 
 def main() -> None:

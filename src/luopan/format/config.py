@@ -37,6 +37,8 @@ class Compression:
         if value is None or isinstance(value, Compression):
             return value or cls()
         codec, _, level = value.partition(":")
+        if level and not level.isdigit():
+            raise ConfigConflictError(f"bad compression {value!r}: use none, zstd or zstd:LEVEL (1..22)")
         return cls(codec, int(level) if level else 3)
 
 

@@ -40,7 +40,10 @@ def step_from_manifest_key(key: str) -> int | None:
     if not name.endswith(MANIFEST_SUFFIX):
         return None
     digits = name[: -len(MANIFEST_SUFFIX)]
-    return int(digits) if digits.isdigit() and len(digits) >= 8 else None
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    step = int(digits)
+    return step if digits == f"{step:08d}" else None  # only the canonical name of a step counts
 
 
 def latest_ref_key(run: str) -> str:
