@@ -14,6 +14,7 @@ import zstandard
 from ..errors import CorruptPackError, IntegrityError, MissingPackError
 from ..format.manifest import Manifest
 from ..format.names import pack_key
+from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer
 from ..store.base import KeyNotFound, Store
 from .parallel import WORKERS, ordered_map
 
@@ -114,6 +115,7 @@ def verify_chunks(
         try:
             read_chunk(store, ref, _scratch(ref.size))
         except IntegrityError as exc:
+            exc.chunk = ref  # type: ignore[attr-defined]  # lets the caller stop deduplicating against it
             return ref.size, exc
         return ref.size, None
 
@@ -125,3 +127,23 @@ def verify_chunks(
             if progress is not None:
                 progress(size)
     return problems
+
+
+def check_pack_trailer(store: Store, pack_id: str) -> CorruptPackError | None:
+    """Check that a pack's header, footer and trailer index are intact and that the trailer hashes to the pack id
+    (docs/format.md §6). Returns the problem, or None."""
+    key = pack_key(pack_id)
+    try:
+        size = store.size(key)
+        head = store.get_range(key, 0, HEADER_SIZE)
+        footer = store.get_range(key, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
+        tlen = int.from_bytes(footer[:8], "little") if len(footer) == FOOTER_SIZE else 0
+        tail = store.get_range(key, max(0, size - FOOTER_SIZE - tlen), FOOTER_SIZE + tlen) if tlen < size else b""
+        computed, _blobs = parse_trailer(head, tail, size)
+    except KeyNotFound:
+        return None  # reported per chunk as MissingPackError
+    except PackFormatError as exc:
+        return CorruptPackError(f"pack {pack_id[:16]}…: {exc}")
+    if computed != pack_id:
+        return CorruptPackError(f"pack {pack_id[:16]}…: its trailer index is damaged (hashes to {computed[:16]}…)")
+    return None

@@ -40,7 +40,7 @@ from ..store.base import KeyNotFound
 from ..store.local import TMP_MARK
 from ..tree import flatten, new_array, unflatten
 from .export import diff_manifests, export_safetensors
-from .read import ChunkRef, chunk_refs, read_chunks, verify_chunks
+from .read import ChunkRef, check_pack_trailer, chunk_refs, read_chunks, verify_chunks
 from .save import write_checkpoint
 
 
@@ -197,6 +197,8 @@ class Repo:
         result = write_checkpoint(self.store, self.config, known, run, step, skeleton, leaves,
                                   metrics, metadata, overwrite)
         known.update(result.new_locations)
+        if result.index_key is not None:
+            self._indexes_seen.add(result.index_key)  # already in `known`; re-reading it would undo verify's drops
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
 
     def _chunk_index(self) -> dict[str, BlobLocation]:
@@ -381,7 +383,24 @@ class Repo:
                     refs.setdefault(f"{ref.hash}/{ref.pack}/{ref.offset}", ref)
         if on_total is not None:
             on_total(sum(r.size for r in refs.values()))
-        problems += verify_chunks(self.store, list(refs.values()), progress)
+        for pack in sorted({r.pack for r in refs.values()}):
+            trailer_problem = check_pack_trailer(self.store, pack)
+            if trailer_problem is not None:
+                problems.append(trailer_problem)
+        chunk_problems = verify_chunks(self.store, list(refs.values()), progress)
+        problems += chunk_problems
+        if self._known is not None:  # never deduplicate against a chunk found damaged: the next save rewrites it
+            for p in chunk_problems:
+                ref = getattr(p, "chunk", None)
+                loc = self._known.get(ref.hash) if ref is not None else None
+                if loc is not None and (loc.pack, loc.offset) == (ref.pack, ref.offset):
+                    del self._known[ref.hash]
+        if run is None:  # whole repository: the index files too (they steer deduplication)
+            for key in self.store.list("index/"):
+                try:
+                    parse_index(self.store.get(key), key)
+                except (CorruptRepoError, KeyNotFound) as exc:
+                    problems.append(exc if isinstance(exc, CorruptRepoError) else CorruptRepoError(str(exc)))
         report = VerifyReport(len(targets), len(refs), sum(r.size for r in refs.values()), problems)
         if problems:
             shown = "\n  ".join(str(p) for p in problems[:20])

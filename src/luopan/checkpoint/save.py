@@ -23,10 +23,11 @@ from ..format.index import build_index
 from ..format.manifest import encode_metrics, seal_manifest, structure_fingerprint
 from ..format.names import index_key, latest_ref_key, manifest_key, pack_key
 from ..format.pack import BlobLocation, PackBuilder
-from ..store.base import Store
+from ..store.base import KeyNotFound, Store
 from ..tree import Leaf
 from .environment import code_version, environment
 from .parallel import WORKERS, ordered_map
+from .read import check_pack_trailer
 
 _tls = threading.local()
 PACK_WRITES_IN_FLIGHT = 3
@@ -45,6 +46,7 @@ class SaveResult:
     manifest_key: str
     doc: dict[str, Any]
     new_locations: dict[str, BlobLocation]
+    index_key: str | None  # the index file this save wrote (its chunks are new_locations)
 
 
 @dataclass
@@ -172,12 +174,30 @@ def write_checkpoint(
         return i, h, view, len(view), "none"
 
     index_name = None
+    pack_sizes: dict[str, int] = {}
+
+    def reusable(loc: BlobLocation) -> bool:
+        """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
+        once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
+        and saving again repairs it."""
+        if loc.pack not in pack_sizes:
+            try:
+                intact = check_pack_trailer(store, loc.pack) is None
+                pack_sizes[loc.pack] = store.size(pack_key(loc.pack)) if intact else -1
+            except KeyNotFound:
+                pack_sizes[loc.pack] = -1
+        return pack_sizes[loc.pack] >= loc.offset + loc.length
+
     try:
         with ThreadPoolExecutor(WORKERS, "luopan-hash") as pool:
             for i, h, stored, size, blob_codec in ordered_map(pool, work, items(), window=2 * WORKERS):
                 rows[i].append((h, size))
-                if h in known or h in new:
+                if h in new:
                     continue
+                if h in known:
+                    if reusable(known[h]):
+                        continue
+                    del known[h]  # stale index entry: store the chunk again
                 builder, off = writer.add(h, stored, size, blob_codec)
                 new[h] = (builder, off, len(stored), size, blob_codec)
                 new_bytes += size
@@ -261,7 +281,7 @@ def write_checkpoint(
     except OSError as exc:
         warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
                       f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=3)
-    return SaveResult(mkey, doc, new_locations)
+    return SaveResult(mkey, doc, new_locations, index_name)
 
 
 def _retract(store: Store, key: str, data: bytes) -> None:
