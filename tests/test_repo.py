@@ -162,15 +162,31 @@ def test_verify_reports_ok_and_counts(repo):
         repo.verify("zzz")
 
 
-def test_manifest_contents(repo, monkeypatch):
+def test_manifest_contents(repo, tmp_path, monkeypatch):
+    import subprocess
+
+    from luopan.checkpoint import environment
+
+    work = tmp_path / "work"  # a git work tree of its own, so the test does not depend on where it runs
+    work.mkdir()
+    git = ["git", "-c", "user.email=t@example.invalid", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=work, check=True)
+    (work / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], cwd=work, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=work, check=True)
+    (work / "f").write_text("2")  # dirty
+    monkeypatch.chdir(work)
+    environment._code_version.cache_clear()
     repo.save("r", 7, make_state(1), metrics={"loss": 1.5}, metadata={"note": "hi"})
+    environment._code_version.cache_clear()
     raw = next(repo.store.list("runs/r/ckpt/"))
     assert raw == "runs/r/ckpt/00000007.json"
     doc = unseal(repo.store.get(raw))
     assert doc["format_version"] == 1 and doc["run"] == "r" and doc["step"] == 7
     assert doc["metrics"] == {"loss": 1.5} and doc["metadata"] == {"note": "hi"}
     assert {"python", "numpy", "torch", "host"} <= doc["environment"].keys()
-    assert doc["code"]["commit"] and isinstance(doc["code"]["dirty"], bool)  # the tests run inside a git checkout
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=work, capture_output=True, text=True).stdout.strip()
+    assert doc["code"] == {"commit": head, "dirty": True}
     e = doc["entries"][0]
     assert e["path"] == "model/l0.weight" and e["dtype"] == "float32" and e["shape"] == [256, 256]
     assert e["chunking"] == "rows" and len(e["chunks"][0]) == 6

@@ -180,3 +180,14 @@ def test_hostile_deeply_nested_manifest_is_corrupt_not_a_crash(repo):
     repo.store.put(key, b"[" * 200_000)
     with pytest.raises(luopan.CorruptManifestError):
         repo.load("r")
+
+
+def test_empty_tensors_with_zero_strides(repo):
+    """Found by the property test: an empty tensor whose stride is 0 cannot be viewed as bytes (nor needs to)."""
+    t = torch.empty(0, dtype=torch.int64).as_strided((0,), (0,))
+    u = torch.zeros(3, 0, 2).as_strided((3, 0, 2), (0, 0, 0))
+    repo.save("e", 0, {"t": t, "u": u})
+    out = repo.load("e")
+    assert out["t"].shape == (0,) and out["t"].dtype == torch.int64 and out["u"].shape == (3, 0, 2)
+    target = {"t": torch.empty(0, dtype=torch.int64).as_strided((0,), (0,)), "u": torch.zeros(3, 0, 2)}
+    repo.load_into("e", target)

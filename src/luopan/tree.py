@@ -77,6 +77,8 @@ def torch_dtype_name(dtype: Any) -> str:
 
 def _torch_host_bytes(t: Any) -> memoryview:
     torch = _torch()
+    if t.numel() == 0:  # no bytes; and an empty view may have stride 0, which view(uint8) refuses
+        return memoryview(b"")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -243,6 +245,8 @@ def new_array(kind: str, dtype: str, shape: list[int]) -> tuple[Any, memoryview]
         if dtype not in TORCH_DTYPE_SIZES:  # never getattr an unchecked name on the torch module
             raise ValueError(f"unsupported torch dtype {dtype!r}")
         t = torch.empty(shape, dtype=getattr(torch, dtype))
+        if t.numel() == 0:
+            return t, memoryview(bytearray())
         return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
     arr = np.empty(shape, dtype=np.dtype(dtype))
     return arr, memoryview(arr.reshape(-1).view(np.uint8))

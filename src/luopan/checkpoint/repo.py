@@ -474,6 +474,8 @@ def _writable_bytes(leaf: Any) -> memoryview | None:
     import numpy as np
 
     dest = leaf.obj
+    if leaf.nbytes == 0:
+        return memoryview(bytearray())
     if leaf.kind == "numpy":
         if dest.flags.c_contiguous and dest.flags.writeable and dest.dtype.byteorder != ">":
             return memoryview(dest.reshape(-1).view(np.uint8))
