@@ -81,7 +81,7 @@ def test_verify_ok_and_damaged(filled):
     # damage one byte in the middle of the pack that only run-b uses
     repo = luopan.open(filled)
     m = repo.manifest("run-b", 1)
-    h, p, off, length, size, codec = m.entries[0]["chunks"][0]
+    h, p, off, length, size, codec, _x = m.entries[0]["chunks"][0]
     pack = filled / "packs" / m.packs[p][:2] / f"{m.packs[p]}.pack"
     data = bytearray(pack.read_bytes())
     data[off + 1] ^= 0xFF

@@ -70,7 +70,7 @@ def truncate(path, size):
 def chunk_of(repo, step, entry, index):
     """(pack id, offset, stored length, raw size, codec) of chunk ``index`` of ``entry`` in checkpoint ``step``."""
     m = repo.manifest(RUN, step)
-    h, p, off, length, size, codec = m.entry(entry)["chunks"][index]
+    h, p, off, length, size, codec, _x = m.entry(entry)["chunks"][index]
     return m.packs[p], off, length, size, codec
 
 

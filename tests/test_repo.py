@@ -189,7 +189,7 @@ def test_manifest_contents(repo, tmp_path, monkeypatch):
     assert doc["code"] == {"commit": head, "dirty": True}
     e = doc["entries"][0]
     assert e["path"] == "model/l0.weight" and e["dtype"] == "float32" and e["shape"] == [256, 256]
-    assert e["chunking"] == "rows" and len(e["chunks"][0]) == 6
+    assert e["chunking"] == "rows" and len(e["chunks"][0]) == 7
     assert doc["fingerprint"].startswith("blake3:")
     # same structure, different values -> same fingerprint; different shape -> different
     repo.save("r", 8, make_state(2))

@@ -45,7 +45,7 @@ def chunk_refs(m: Manifest, entry_index: int) -> Iterator[tuple[int, ChunkRef]]:
     """(byte offset within the entry, ChunkRef) for each chunk of an entry."""
     e = m.entries[entry_index]
     pos = 0
-    for n, (h, p, off, length, size, codec) in enumerate(e.get("chunks", [])):
+    for n, (h, p, off, length, size, codec, _xxh3) in enumerate(e.get("chunks", [])):
         yield pos, ChunkRef(m.run, m.step, e["path"], n, h, m.packs[p], off, length, size, codec)
         pos += size
 

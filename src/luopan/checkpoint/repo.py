@@ -149,6 +149,7 @@ class Repo:
         self.config = config
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
+        self._previous: dict[str, dict[str, list[list[Any]]]] = {}  # run -> path -> chunk rows of its last save
 
     def __repr__(self) -> str:
         return f"luopan.Repo({self.store.describe()!r})"
@@ -195,11 +196,21 @@ class Repo:
         _check_json("state", skeleton, dict)
         known = self._chunk_index()
         result = write_checkpoint(self.store, self.config, known, run, step, skeleton, leaves,
-                                  metrics, metadata, overwrite)
+                                  metrics, metadata, overwrite, self._previous_rows(run))
         known.update(result.new_locations)
+        self._previous[run] = _rows_by_path(result.doc)
         if result.index_key is not None:
             self._indexes_seen.add(result.index_key)  # already in `known`; re-reading it would undo verify's drops
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
+
+    def _previous_rows(self, run: str) -> dict[str, list[list[Any]]]:
+        """Chunk rows of the run's latest checkpoint, for change detection (a hint: every reuse is XXH3-checked)."""
+        if run not in self._previous:
+            try:
+                self._previous[run] = _rows_by_path(self.manifest(run).doc) if self.steps(run) else {}
+            except LuopanError:
+                self._previous[run] = {}  # a damaged latest manifest only costs re-hashing
+        return self._previous[run]
 
     def _chunk_index(self) -> dict[str, BlobLocation]:
         """Chunk hash → location from all index files (refreshed with index files new since the last call)."""
@@ -467,6 +478,10 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+def _rows_by_path(doc: dict[str, Any]) -> dict[str, list[list[Any]]]:
+    return {e["path"]: e["chunks"] for e in doc["entries"] if "chunks" in e}
 
 
 def _writable_bytes(leaf: Any) -> memoryview | None:

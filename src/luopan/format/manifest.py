@@ -154,7 +154,7 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
             continue
         total = 0
         for c in e["chunks"]:
-            _h, pack, _off, length, csize, codec = c
+            _h, pack, _off, length, csize, codec, _x = c
             if pack >= npacks:
                 raise bad(f"entry {path!r} names pack #{pack} of {npacks}")
             if csize == 0 or csize > MAX_CHUNK_BYTES or (length != csize if codec == "none" else length > csize):
