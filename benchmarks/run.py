@@ -165,9 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         report = incremental.run_incremental(args.size_mib, args.reps, args.workdir, log)
         log("done")
         for r in report["results"]:
+            detail = (f"full save {r['luopan_full_save_s']:.3f}s, unchanged re-save "
+                      f"{r['luopan_unchanged_resave_s']:.3f}s, re-save wrote {r['resave_bytes_written']} bytes of "
+                      f"{r['state_bytes']}") if r["id"].startswith("P8") else (
+                      f"save_async blocked {r['luopan_async_stall_s']:.3f}s, synchronous save "
+                      f"{r['luopan_sync_save_s']:.3f}s, {r['state_bytes']} bytes")
             print(f"{r['id']}: {r['ratio']:.4f} (goal {r['goal_op']} {r['goal']}: {'met' if r['met'] else 'MISSED'})"
-                  f"; full save {r['luopan_full_save_s']:.3f}s, unchanged re-save {r['luopan_unchanged_resave_s']:.3f}s"
-                  f", re-save wrote {r['resave_bytes_written']} bytes of {r['state_bytes']}")
+                  f"; {detail}")
         print("not yet measured (issue 3): " + ", ".join(report["pending"]))
         _write_json(args.json, report)
         return 0

@@ -6,7 +6,7 @@
     state = repo.load("run-a")
 """
 
-from .checkpoint.repo import CheckpointInfo, Repo, VerifyReport, init, open
+from .checkpoint.repo import CheckpointInfo, Repo, SaveHandle, VerifyReport, init, open
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -43,6 +43,7 @@ __all__ = [
     "MissingPackError",
     "NotARepositoryError",
     "Repo",
+    "SaveHandle",
     "RepoExistsError",
     "RepoNotFoundError",
     "StateMismatchError",

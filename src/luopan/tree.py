@@ -56,9 +56,12 @@ class Leaf:
     obj: Any  # the array/tensor itself
     alias_of: int | None = None
     scalar: bool = False  # a NumPy scalar (np.float32(1.0)), returned as such on load
+    frozen: memoryview | None = None  # a snapshot of the bytes (save_async), used instead of obj
 
     def host_bytes(self) -> memoryview:
         """The entry's raw C-order bytes in host memory, as a flat byte view (copies only when it must)."""
+        if self.frozen is not None:
+            return self.frozen
         if self.kind == "torch":
             return _torch_host_bytes(self.obj)
         arr = np.ascontiguousarray(self.obj)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +40,8 @@ from ..format.pack import BlobLocation
 from ..store import Store, open_store
 from ..store.base import KeyNotFound
 from ..store.local import TMP_MARK
-from ..tree import flatten, new_array, unflatten
+from ..tree import Leaf, flatten, new_array, unflatten
+from .buffers import HostBuffers
 from .export import diff_manifests, export_safetensors
 from .read import ChunkRef, check_pack_trailer, chunk_refs, read_chunks, verify_chunks
 from .save import write_checkpoint
@@ -150,6 +153,9 @@ class Repo:
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
         self._previous: dict[str, dict[str, list[list[Any]]]] = {}  # run -> path -> chunk rows of its last save
+        self._buffers = HostBuffers()
+        self._worker: ThreadPoolExecutor | None = None
+        self._inflight: SaveHandle | None = None
 
     def __repr__(self) -> str:
         return f"luopan.Repo({self.store.describe()!r})"
@@ -161,7 +167,14 @@ class Repo:
         self.close()
 
     def close(self) -> None:
-        """Release resources. (Saves are synchronous in this version; nothing is pending.)"""
+        """Wait for a save_async in flight (raising its error if nobody saw it) and stop the background thread."""
+        try:
+            self._drain()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            self._buffers.clear()
 
     # -- saving -------------------------------------------------------------------------------------------------
     def save(
@@ -178,8 +191,52 @@ class Repo:
 
         The checkpoint becomes visible atomically when its manifest is durable. Raises CheckpointExistsError if
         the step exists (unless ``overwrite``), UnsupportedValueError for state luopan cannot store (naming the key
-        path), StorageFullError when the disk fills (nothing committed).
+        path), StorageFullError when the disk fills (nothing committed). Waits for a save_async in flight first
+        (and raises its error if nobody has seen it yet).
         """
+        self._drain()
+        return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite))
+
+    def save_async(
+        self,
+        run: str,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> SaveHandle:
+        """Like ``save``, but returns as soon as the state is copied into reusable host buffers; hashing, packing
+        and writing happen on a background thread. The caller may change the state right after this returns.
+
+        One save is in flight at a time: this call first waits for the previous one. ``handle.wait()`` returns
+        the CheckpointInfo or raises the save's error; an error nobody waited for is raised by the next
+        ``save``/``save_async``/``close`` instead, never dropped. Bad input is still raised here, synchronously.
+        A process killed mid-persist leaves no visible checkpoint (the manifest is written last).
+        """
+        self._drain()
+        plan = self._prepare(run, step, state, metrics, metadata, overwrite)
+        plan.leaves = self._buffers.freeze(plan.leaves)  # the only stall: one copy into reused host memory
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, "luopan-save")
+        handle = SaveHandle(self._worker.submit(self._commit, plan), run, step)
+        self._inflight = handle
+        return handle
+
+    def _drain(self) -> None:
+        """Wait for the save in flight; raise its error if no caller has observed it."""
+        handle, self._inflight = self._inflight, None
+        if handle is None:
+            return
+        exc = handle._future.exception()
+        if exc is not None and not handle._observed:
+            handle._observed = True
+            raise exc
+
+    def _prepare(self, run: str, step: int, state: Any, metrics: dict[str, Any] | None,
+                 metadata: dict[str, Any] | None, overwrite: bool) -> _SavePlan:
+        """Check everything about a save before any byte is written; snapshot metrics and metadata."""
         check_run(run)
         check_step(step)
         if not overwrite and self.store.exists(manifest_key(run, step)):
@@ -188,17 +245,21 @@ class Repo:
             )
         _check_json("metadata", metadata, dict)
         try:
-            encode_metrics(metrics)
+            encoded_metrics = encode_metrics(metrics)
         except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: .item() of a multi-element tensor
             raise UnsupportedValueError(f"bad metrics: {exc}; pass numbers, str, bool or None") from None
         skeleton, leaves = flatten(state)
         # Everything that goes into the manifest is checked before any pack is written.
         _check_json("state", skeleton, dict)
+        metadata_copy = json.loads(canonical(metadata)) if metadata else None
+        return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite)
+
+    def _commit(self, plan: _SavePlan) -> CheckpointInfo:
         known = self._chunk_index()
-        result = write_checkpoint(self.store, self.config, known, run, step, skeleton, leaves,
-                                  metrics, metadata, overwrite, self._previous_rows(run))
+        result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
+                                  plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run))
         known.update(result.new_locations)
-        self._previous[run] = _rows_by_path(result.doc)
+        self._previous[plan.run] = _rows_by_path(result.doc)
         if result.index_key is not None:
             self._indexes_seen.add(result.index_key)  # already in `known`; re-reading it would undo verify's drops
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
@@ -466,6 +527,39 @@ class Repo:
         return {"checkpoints": checkpoints, "damaged_manifests": damaged, "logical_bytes": logical, "physical_bytes": physical,
                 "pack_bytes": sizes["packs"], "index_bytes": sizes["index"], "manifest_bytes": sizes["runs"],
                 "ref_bytes": sizes["refs"]}
+
+
+@dataclass
+class _SavePlan:
+    run: str
+    step: int
+    skeleton: dict[str, Any]
+    leaves: list[Leaf]
+    metrics: dict[str, Any]
+    metadata: dict[str, Any] | None
+    overwrite: bool
+
+
+class SaveHandle:
+    """A save_async in flight. ``wait()`` returns its CheckpointInfo or raises its error."""
+
+    def __init__(self, future: Future[CheckpointInfo], run: str, step: int) -> None:
+        self._future = future
+        self._observed = False
+        self.run = run
+        self.step = step
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until the checkpoint is committed (or the save failed: then raise its error)."""
+        self._observed = True
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<luopan.SaveHandle run={self.run!r} step={self.step} {state}>"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,57 @@
+"""Reusable host memory for save_async: the state is copied here, then persisted in the background."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..tree import Leaf
+from .parallel import WORKERS
+
+_PIECE = 16 << 20  # copy in pieces so one large tensor still uses both cores
+
+
+class HostBuffers:
+    """One byte buffer per (entry path, size), reused by every save_async of the same state layout.
+
+    After the first async save of a training loop, snapshotting allocates nothing: the stall is one memcpy of the
+    state. Buffers of entries that disappear from the state are released. Only one save may use them at a time
+    (Repo.save_async waits for the previous save before copying).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, int], np.ndarray] = {}
+
+    def freeze(self, leaves: list[Leaf]) -> list[Leaf]:
+        """Copies of ``leaves`` whose bytes are snapshots in the reused buffers (copied on both cores)."""
+        out = []
+        used = set()
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        for leaf in leaves:
+            if leaf.alias_of is not None or leaf.nbytes == 0:
+                out.append(leaf)
+                continue
+            key = (leaf.path, leaf.nbytes)
+            buf = self._bufs.get(key)
+            if buf is None:
+                buf = self._bufs[key] = np.empty(leaf.nbytes, dtype=np.uint8)
+            used.add(key)
+            src = np.frombuffer(leaf.host_bytes(), dtype=np.uint8)
+            copies += [(buf[i : i + _PIECE], src[i : i + _PIECE]) for i in range(0, leaf.nbytes, _PIECE)]
+            out.append(dataclasses.replace(leaf, obj=None, frozen=memoryview(buf)))
+        # memcpy releases the GIL: two threads copy at ~11 GB/s here vs ~6.5 GB/s for one (256 MiB: 23 vs 40 ms)
+        with ThreadPoolExecutor(WORKERS, "luopan-copy") as pool:
+            for _ in pool.map(lambda pair: np.copyto(*pair), copies):
+                pass
+        for key in set(self._bufs) - used:
+            del self._bufs[key]
+        return out
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())

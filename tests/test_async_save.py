@@ -1,0 +1,136 @@
+"""save_async: returns after a host copy; errors are never swallowed; a kill mid-persist leaves no checkpoint."""
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import luopan
+
+from .conftest import PYTHON
+from .test_commit_failures import FaultyStore
+
+
+def state(seed=0, n=8):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(256, 256, generator=g) for i in range(n)}, "step": seed}
+
+
+def test_state_can_change_right_after_save_async_returns(repo):
+    s = state()
+    expected = {k: v.clone() for k, v in s["model"].items()}
+    handle = repo.save_async("r", 1, s, metrics={"loss": torch.tensor(0.5)})
+    for v in s["model"].values():
+        v.mul_(-1)  # the training loop goes on immediately
+    info = handle.wait()
+    assert info.step == 1 and handle.done() and info.metrics == {"loss": 0.5}
+    out = repo.load("r", 1)
+    assert all(torch.equal(out["model"][k], expected[k]) for k in expected)
+
+
+def test_one_save_in_flight_and_close_flushes(repo_path):
+    repo = luopan.open(repo_path)
+    s = state()
+    handles = []
+    for step in range(1, 6):
+        handles.append(repo.save_async("r", step, s))
+        last = s["model"]["w0"].clone()
+        s["model"]["w0"].add_(1)
+    repo.close()  # waits for the last one
+    assert repo.steps("r") == [1, 2, 3, 4, 5]
+    assert all(h.done() for h in handles)
+    assert torch.equal(repo.load("r", 5)["model"]["w0"], last)
+    assert repo.verify().ok
+
+
+def test_bad_input_is_raised_synchronously(repo):
+    with pytest.raises(luopan.UnsupportedValueError):
+        repo.save_async("r", 1, {"f": lambda: 0})
+    repo.save("r", 1, state())
+    with pytest.raises(luopan.CheckpointExistsError):
+        repo.save_async("r", 1, state())
+
+
+def failing_repo():
+    store = FaultyStore()
+    repo = luopan.open(store)
+    store.prefix, store.when = "packs/", "before"
+    return store, repo
+
+
+def test_background_error_is_raised_by_wait():
+    store, repo = failing_repo()
+    handle = repo.save_async("r", 1, state())
+    with pytest.raises(OSError, match="injected"):
+        handle.wait()
+    store.prefix = None
+    repo.save("r", 2, state())  # already observed: not raised again
+    assert repo.steps("r") == [2]
+
+
+def test_unobserved_background_error_surfaces_on_the_next_call():
+    store, repo = failing_repo()
+    repo.save_async("r", 1, state())
+    with pytest.raises(OSError, match="injected"):
+        repo.save_async("r", 2, state())  # nobody waited for step 1: its error comes out here
+    store.prefix = None
+    repo.save_async("r", 2, state()).wait()
+    assert repo.steps("r") == [2]
+
+
+def test_unobserved_background_error_surfaces_on_close():
+    _, repo = failing_repo()
+    repo.save_async("r", 1, state())
+    with pytest.raises(OSError, match="injected"):
+        repo.close()
+
+
+def test_buffers_are_reused_across_saves(repo):
+    s = state()
+    repo.save_async("r", 1, s).wait()
+    bufs = dict(repo._buffers._bufs)
+    repo.save_async("r", 2, s).wait()
+    assert all(repo._buffers._bufs[k] is v for k, v in bufs.items())
+    del s["model"]["w7"]
+    repo.save_async("r", 3, s).wait()
+    assert len(repo._buffers._bufs) == len(bufs) - 1  # buffers of vanished entries are released
+
+
+CHILD = '''
+import sys, numpy as np, luopan
+repo = luopan.open(sys.argv[1], chunk_size=64 * 1024, pack_size=256 * 1024)
+steps = repo.steps("a")
+step = steps[-1] + 1 if steps else 0
+rng = np.random.default_rng(step)
+state = {"w": rng.standard_normal((1024, 1024), dtype=np.float32), "step": step}
+print("ready", flush=True)
+while True:
+    repo.save_async("a", step, state, metrics={"step": step})
+    step += 1
+    state = {"w": np.random.default_rng(step).standard_normal((1024, 1024), dtype=np.float32), "step": step}
+'''
+
+
+def test_kill_during_async_saves_leaves_only_complete_checkpoints(tmp_path, child_env):
+    root = str(tmp_path / "repo")
+    rnd = random.Random(5)
+    for _ in range(10):
+        proc = subprocess.Popen([PYTHON, "-c", CHILD, root], env=child_env, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rnd.uniform(0.0, 0.25))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        repo = luopan.open(root)
+        for step in repo.steps("a"):
+            assert repo.verify("a", step).ok
+            out = repo.load("a", step)
+            assert out["step"] == step
+            np.testing.assert_array_equal(
+                out["w"], np.random.default_rng(step).standard_normal((1024, 1024), dtype=np.float32))
+        assert not [f for d, _, fs in os.walk(root) for f in fs if ".tmp-" in f]
+    assert luopan.open(root).steps("a"), "some async saves should have committed"
