@@ -64,3 +64,47 @@ def test_changed_shape_or_dtype_is_rehashed(tmp_path, blake3_calls):
     assert blake3_calls == [4000]
     out = repo.load("r", 2)
     assert out["w"].dtype == np.int32 and np.array_equal(out["w"], s["w"]) and np.array_equal(out["b"], s["b"])
+
+
+def test_tier1_trusted_versions_skip_reading_frozen_tensors(tmp_path, monkeypatch):
+    import torch
+
+    reads = []
+    real = save_mod.xxhash.xxh3_128_hexdigest
+
+    class Counting:
+        @staticmethod
+        def xxh3_128_hexdigest(data):
+            reads.append(len(data))
+            return real(data)
+
+    monkeypatch.setattr(save_mod, "xxhash", Counting)
+    repo = luopan.open(tmp_path / "r", chunk_size=64 * 1024)
+    base = torch.randn(512, 512)  # 1 MiB frozen
+    lora = torch.zeros(8, 512)
+    state = {"base": base, "lora": lora}
+    repo.save("r", 1, state, trust_versions=True)
+    reads.clear()
+    lora.add_(1.0)  # an in-place op moves the version counter
+    info = repo.save("r", 2, state, trust_versions=True)
+    assert reads == [lora.numel() * 4] and info.new_bytes == lora.numel() * 4  # the base was not even read
+    state["base"] = base.clone()  # a new object, same values: not trusted, read (and deduplicated)
+    reads.clear()
+    info = repo.save("r", 3, state, trust_versions=True)
+    assert sum(reads) == base.numel() * 4 and info.new_bytes == 0  # lora: same object, same version: skipped
+    out = repo.load("r", 2)
+    assert torch.equal(out["base"], base) and torch.equal(out["lora"], lora)
+
+
+def test_tier1_caveat_writes_bypassing_the_version_counter(tmp_path):
+    """Documented contract: with trust_versions, a write through .data is not seen; without it, it is."""
+    import torch
+
+    repo = luopan.open(tmp_path / "r")
+    t = torch.zeros(1000)
+    repo.save("r", 1, {"t": t}, trust_versions=True)
+    t.data[0] = 5.0  # bypasses t._version
+    repo.save("r", 2, {"t": t}, trust_versions=True)
+    assert repo.load("r", 2)["t"][0] == 0.0  # missed: the caveat
+    repo.save("r", 3, {"t": t})  # the default looks at the bytes
+    assert repo.load("r", 3)["t"][0] == 5.0

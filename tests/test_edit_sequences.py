@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import luopan
 
@@ -14,8 +14,9 @@ SHAPES = {"emb": (256, 32), "w": (16, 16), "b": (2000,)}
 
 
 class EditSequences(RuleBasedStateMachine):
-    @initialize(use_async=st.booleans())
-    def setup(self, use_async):
+    @initialize(use_async=st.booleans(), trust=st.booleans())
+    def setup(self, use_async, trust):
+        self.trust = trust  # tier 1 (version counters): then only edits that move the counter are allowed
         self.repo = luopan.open("memory://", chunk_size=4096, pack_size=16384)
         g = torch.Generator().manual_seed(0)
         self.state = {n: torch.randn(*SHAPES[n], generator=g) for n in NAMES}
@@ -25,7 +26,7 @@ class EditSequences(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES), idx=st.integers(0, 10**6), value=st.floats(-1e3, 1e3))
     def edit_element(self, name, idx, value):
-        flat = self.state[name].view(-1)
+        flat = self.state[name].view(torch.float32).view(-1)  # "b" may currently be an int32 view
         flat[idx % flat.numel()] = value
 
     @rule(row=st.integers(0, 255))
@@ -34,15 +35,17 @@ class EditSequences(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES))
     def edit_whole(self, name):
-        self.state[name].mul_(-0.5)
+        self.state[name].view(torch.uint8).bitwise_xor_(0x55)
 
+    @precondition(lambda self: not self.trust)
     @rule(name=st.sampled_from(NAMES))
     def write_through_data(self, name):
-        self.state[name].data[0] = 12345.0  # does not move the version counter
+        self.state[name].data.view(torch.uint8)[0] ^= 0x0F  # does not move the version counter
 
+    @precondition(lambda self: not self.trust)
     @rule(name=st.sampled_from(NAMES))
     def write_through_numpy_view(self, name):
-        self.state[name].numpy().reshape(-1)[-1] = -7.0  # neither does this
+        self.state[name].numpy().view("u1").reshape(-1)[-1] ^= 0xF0  # neither does this
 
     @rule(name=st.sampled_from(NAMES), seed=st.integers(0, 3))
     def replace_with_new_object(self, name, seed):
@@ -59,14 +62,14 @@ class EditSequences(RuleBasedStateMachine):
         self.step += 1
         expected = {k: v.clone() for k, v in self.state.items()}
         if self.use_async:
-            handle = self.repo.save_async("r", self.step, self.state)
-            for v in self.state.values():  # mutate right after save_async returns
+            handle = self.repo.save_async("r", self.step, self.state, trust_versions=self.trust)
+            for v in self.state.values():  # mutate right after save_async returns (and back)
                 v.view(torch.uint8)[0] ^= 0xFF
             handle.wait()
             for v in self.state.values():
                 v.view(torch.uint8)[0] ^= 0xFF
         else:
-            self.repo.save("r", self.step, self.state)
+            self.repo.save("r", self.step, self.state, trust_versions=self.trust)
         self.saved[self.step] = expected
 
     @invariant()

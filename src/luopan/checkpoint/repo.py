@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ class Repo:
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
         self._previous: dict[str, dict[str, list[list[Any]]]] = {}  # run -> path -> chunk rows of its last save
+        self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         self._buffers = HostBuffers()
         self._worker: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
@@ -186,6 +188,7 @@ class Repo:
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
+        trust_versions: bool = False,
     ) -> CheckpointInfo:
         """Commit ``state`` as checkpoint ``step`` of ``run``; writes only chunks the repository lacks.
 
@@ -193,9 +196,14 @@ class Repo:
         the step exists (unless ``overwrite``), UnsupportedValueError for state luopan cannot store (naming the key
         path), StorageFullError when the disk fills (nothing committed). Waits for a save_async in flight first
         (and raises its error if nobody has seen it yet).
+
+        ``trust_versions=True`` (opt-in) skips reading torch tensors whose version counter has not moved since
+        this process saved the same tensor object for this run: free for frozen weights. Writes that bypass the
+        counter (``t.data[...] = …``, writes through ``t.numpy()`` or DLPack views, custom kernels) are then
+        missed — silently stale data — so use it only when the state is changed by autograd/optimizer steps.
         """
         self._drain()
-        return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite))
+        return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions))
 
     def save_async(
         self,
@@ -206,6 +214,7 @@ class Repo:
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
+        trust_versions: bool = False,
     ) -> SaveHandle:
         """Like ``save``, but returns as soon as the state is copied into reusable host buffers; hashing, packing
         and writing happen on a background thread. The caller may change the state right after this returns.
@@ -216,7 +225,7 @@ class Repo:
         A process killed mid-persist leaves no visible checkpoint (the manifest is written last).
         """
         self._drain()
-        plan = self._prepare(run, step, state, metrics, metadata, overwrite)
+        plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions)
         plan.leaves = self._buffers.freeze(plan.leaves)  # the only stall: one copy into reused host memory
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "luopan-save")
@@ -235,7 +244,7 @@ class Repo:
             raise exc
 
     def _prepare(self, run: str, step: int, state: Any, metrics: dict[str, Any] | None,
-                 metadata: dict[str, Any] | None, overwrite: bool) -> _SavePlan:
+                 metadata: dict[str, Any] | None, overwrite: bool, trust_versions: bool = False) -> _SavePlan:
         """Check everything about a save before any byte is written; snapshot metrics and metadata."""
         check_run(run)
         check_step(step)
@@ -252,14 +261,23 @@ class Repo:
         # Everything that goes into the manifest is checked before any pack is written.
         _check_json("state", skeleton, dict)
         metadata_copy = json.loads(canonical(metadata)) if metadata else None
-        return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite)
+        versions = _tensor_versions(leaves)
+        seen = self._versions.get(run, {})
+        unchanged = frozenset(
+            i for i, (path, rec) in versions.items()
+            if trust_versions and path in seen and seen[path][0]() is leaves[i].obj and seen[path][1:] == rec[1:]
+        )
+        return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
+                         {path: rec for path, rec in versions.values()}, unchanged)
 
     def _commit(self, plan: _SavePlan) -> CheckpointInfo:
         known = self._chunk_index()
         result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
-                                  plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run))
+                                  plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run),
+                                  plan.unchanged)
         known.update(result.new_locations)
         self._previous[plan.run] = _rows_by_path(result.doc)
+        self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
         if result.index_key is not None:
             self._indexes_seen.add(result.index_key)  # already in `known`; re-reading it would undo verify's drops
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
@@ -538,6 +556,25 @@ class _SavePlan:
     metrics: dict[str, Any]
     metadata: dict[str, Any] | None
     overwrite: bool
+    versions: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    unchanged: frozenset[int] = frozenset()
+
+
+def _tensor_versions(leaves: list[Leaf]) -> dict[int, tuple[str, tuple[Any, ...]]]:
+    """leaf index -> (path, (weakref to the tensor, version counter, storage pointer, offset, shape, strides, dtype,
+    device)) for torch tensor leaves: the tier-1 change-detection record of one save."""
+    out = {}
+    for i, leaf in enumerate(leaves):
+        t = leaf.obj
+        if leaf.kind != "torch" or leaf.alias_of is not None or leaf.nbytes == 0:
+            continue
+        try:
+            ref = weakref.ref(t)
+        except TypeError:
+            continue
+        out[i] = (leaf.path, (ref, t._version, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                              t.stride(), t.dtype, str(t.device)))
+    return out
 
 
 class SaveHandle:

@@ -130,12 +130,14 @@ def write_checkpoint(
     metadata: dict[str, Any] | None,
     overwrite: bool,
     previous: dict[str, list[list[Any]]] | None = None,
+    unchanged: frozenset[int] = frozenset(),
 ) -> SaveResult:
     """Write the chunks the store lacks, then index, manifest and ref. Returns the committed manifest.
 
     ``previous`` maps entry paths of the run's previous checkpoint to their manifest chunk rows: a chunk whose
     XXH3-128 and size equal the previous row at the same position reuses that row's BLAKE3 address without
-    computing it (docs/format.md §5.1). On any failure before the index file is visible, the packs this save
+    computing it (docs/format.md §5.1). Leaves in ``unchanged`` (tier 1: the caller vouches their bytes equal the
+    previous save's) take the previous rows without being read at all. On any failure before the index file is visible, the packs this save
     wrote are deleted again (nothing can reference them yet).
     """
     previous = previous or {}
@@ -159,9 +161,34 @@ def write_checkpoint(
         entries.append(e)
         rows.append([])
 
+    index_name = None
+    pack_sizes: dict[str, int] = {}
+
+    def reusable(loc: BlobLocation) -> bool:
+        """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
+        once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
+        and saving again repairs it."""
+        if loc.pack not in pack_sizes:
+            try:
+                intact = check_pack_trailer(store, loc.pack) is None
+                pack_sizes[loc.pack] = store.size(pack_key(loc.pack)) if intact else -1
+            except KeyNotFound:
+                pack_sizes[loc.pack] = -1
+        return pack_sizes[loc.pack] >= loc.offset + loc.length
+
+    skipped = set()
+    for i in unchanged:  # tier 1: reuse the previous rows if every chunk is still there
+        leaf = leaves[i]
+        prev = previous.get(leaf.path)
+        if (leaf.alias_of is None and prev and sum(r[4] for r in prev) == leaf.nbytes
+                and all(r[0] in known and reusable(known[r[0]]) for r in prev)):
+            rows[i] = [(r[0], r[4], r[6]) for r in prev]
+            entries[i]["chunking"] = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)[0]
+            skipped.add(i)
+
     def items():
         for i, leaf in enumerate(leaves):
-            if leaf.alias_of is not None:
+            if leaf.alias_of is not None or i in skipped:
                 continue
             data = leaf.host_bytes()
             mode, spans = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)
@@ -182,21 +209,6 @@ def write_checkpoint(
             if len(z) < len(view):
                 return i, h, memoryview(z), len(view), "zstd", x
         return i, h, view, len(view), "none", x
-
-    index_name = None
-    pack_sizes: dict[str, int] = {}
-
-    def reusable(loc: BlobLocation) -> bool:
-        """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
-        once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
-        and saving again repairs it."""
-        if loc.pack not in pack_sizes:
-            try:
-                intact = check_pack_trailer(store, loc.pack) is None
-                pack_sizes[loc.pack] = store.size(pack_key(loc.pack)) if intact else -1
-            except KeyNotFound:
-                pack_sizes[loc.pack] = -1
-        return pack_sizes[loc.pack] >= loc.offset + loc.length
 
     try:
         with ThreadPoolExecutor(WORKERS, "luopan-hash") as pool:
