@@ -2,7 +2,7 @@
 """luopan benchmarks.
 
     python benchmarks/run.py --suite foundation [--size-mib 1024] [--quick] [--json OUT] [--workdir DIR]
-    python benchmarks/run.py --suite incremental [--size-mib 1024] [--quick] [--json OUT]   (so far: P8)
+    python benchmarks/run.py --suite incremental [--size-mib 1024] [--quick] [--json OUT]   (P2, P4, P6, P8)
 
 Runs in one process, alternating peer and luopan measurements, and prints medians and ratios. Exits 0 whether or
 not the goals are met (the table and the JSON say which are missed); exits non-zero only when it cannot run.
@@ -165,11 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         report = incremental.run_incremental(args.size_mib, args.reps, args.workdir, log)
         log("done")
         for r in report["results"]:
-            detail = (f"full save {r['luopan_full_save_s']:.3f}s, unchanged re-save "
-                      f"{r['luopan_unchanged_resave_s']:.3f}s, re-save wrote {r['resave_bytes_written']} bytes of "
-                      f"{r['state_bytes']}") if r["id"].startswith("P8") else (
-                      f"save_async blocked {r['luopan_async_stall_s']:.3f}s, synchronous save "
-                      f"{r['luopan_sync_save_s']:.3f}s, {r['state_bytes']} bytes")
+            detail = {
+                "P8": lambda: f"full save {r['luopan_full_save_s']:.3f}s, unchanged re-save "
+                              f"{r['luopan_unchanged_resave_s']:.3f}s, re-save wrote {r['resave_bytes_written']} "
+                              f"bytes of {r['state_bytes']}",
+                "P6": lambda: f"save_async blocked {r['luopan_async_stall_s']:.3f}s, synchronous save "
+                              f"{r['luopan_sync_save_s']:.3f}s, {r['state_bytes']} bytes",
+                "P2": lambda: (f"peer {r['peer_s']:.3f}s, luopan {r['luopan_s']:.3f}s (trust_versions), "
+                               f"default mode ratio {r['ratio_default_mode']}") if "peer_s" in r else
+                              f"wrote {r['luopan_stored_bytes']} bytes for {r['changed_tensor_bytes']} changed",
+                "P4": lambda: f"load #{r['saves']} {r['load_last_s']:.3f}s vs load #1 {r['load_first_s']:.3f}s",
+            }[r["id"][:2]]()
             print(f"{r['id']}: {r['ratio']:.4f} (goal {r['goal_op']} {r['goal']}: {'met' if r['met'] else 'MISSED'})"
                   f"; {detail}")
         print("not yet measured (issue 3): " + ", ".join(report["pending"]))

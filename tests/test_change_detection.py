@@ -88,7 +88,10 @@ def test_tier1_trusted_versions_skip_reading_frozen_tensors(tmp_path, monkeypatc
     lora.add_(1.0)  # an in-place op moves the version counter
     info = repo.save("r", 2, state, trust_versions=True)
     assert reads == [lora.numel() * 4] and info.new_bytes == lora.numel() * 4  # the base was not even read
-    state["base"] = base.clone()  # a new object, same values: not trusted, read (and deduplicated)
+    assert sum(reads) == lora.numel() * 4
+    repo.save("r", 25, {"base": base.detach(), "lora": lora.detach()}, trust_versions=True)  # fresh state_dict
+    assert sum(reads) == lora.numel() * 4  # detach() shares the version counter: nothing read
+    state["base"] = base.clone()  # another storage, same values: not trusted, read (and deduplicated)
     reads.clear()
     info = repo.save("r", 3, state, trust_versions=True)
     assert sum(reads) == base.numel() * 4 and info.new_bytes == 0  # lora: same object, same version: skipped

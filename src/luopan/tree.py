@@ -74,6 +74,23 @@ def _torch():
     return sys.modules.get("torch")
 
 
+class _LazyNumpyViewable:
+    """torch dtypes that Tensor.numpy() supports (resolved on first use; torch is imported lazily)."""
+
+    _set: frozenset[Any] | None = None
+
+    def __contains__(self, dtype: Any) -> bool:
+        if self._set is None:
+            torch = _torch()
+            names = ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                     "complex64", "complex128")
+            type(self)._set = frozenset(getattr(torch, n) for n in names)
+        return dtype in self._set
+
+
+_NUMPY_VIEWABLE = _LazyNumpyViewable()
+
+
 def torch_dtype_name(dtype: Any) -> str:
     return str(dtype).split(".", 1)[1]
 
@@ -91,6 +108,8 @@ def _torch_host_bytes(t: Any) -> memoryview:
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
+    if t.dtype in _NUMPY_VIEWABLE:  # the NumPy route is ~10x cheaper per tensor than torch's view chain
+        return memoryview(t.numpy().reshape(-1).view(np.uint8))
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import sys
 import warnings
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -265,7 +264,7 @@ class Repo:
         seen = self._versions.get(run, {})
         unchanged = frozenset(
             i for i, (path, rec) in versions.items()
-            if trust_versions and path in seen and seen[path][0]() is leaves[i].obj and seen[path][1:] == rec[1:]
+            if trust_versions and path in seen and seen[path][1:] == rec[1:]
         )
         return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
                          {path: rec for path, rec in versions.values()}, unchanged)
@@ -561,18 +560,20 @@ class _SavePlan:
 
 
 def _tensor_versions(leaves: list[Leaf]) -> dict[int, tuple[str, tuple[Any, ...]]]:
-    """leaf index -> (path, (weakref to the tensor, version counter, storage pointer, offset, shape, strides, dtype,
-    device)) for torch tensor leaves: the tier-1 change-detection record of one save."""
+    """leaf index -> (path, (storage, version counter, storage pointer, offset, shape, strides, dtype, device)) for
+    torch tensor leaves: the tier-1 change-detection record of one save.
+
+    The record holds the storage itself (a strong reference), so its memory cannot be freed and reused by another
+    tensor while we compare addresses; the version counter is shared by a tensor, its views and ``detach()``
+    results, so a fresh ``state_dict()`` of the same parameters still matches.
+    """
     out = {}
     for i, leaf in enumerate(leaves):
         t = leaf.obj
         if leaf.kind != "torch" or leaf.alias_of is not None or leaf.nbytes == 0:
             continue
-        try:
-            ref = weakref.ref(t)
-        except TypeError:
-            continue
-        out[i] = (leaf.path, (ref, t._version, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+        storage = t.untyped_storage()
+        out[i] = (leaf.path, (storage, t._version, storage.data_ptr(), t.storage_offset(), tuple(t.shape),
                               t.stride(), t.dtype, str(t.device)))
     return out
 
