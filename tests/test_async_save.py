@@ -134,3 +134,41 @@ def test_kill_during_async_saves_leaves_only_complete_checkpoints(tmp_path, chil
                 out["w"], np.random.default_rng(step).standard_normal((1024, 1024), dtype=np.float32))
         assert not [f for d, _, fs in os.walk(root) for f in fs if ".tmp-" in f]
     assert luopan.open(root).steps("a"), "some async saves should have committed"
+
+
+def test_exit_without_close_still_commits(tmp_path, child_env):
+    code = ("import sys, numpy as np, luopan\n"
+            "repo = luopan.open(sys.argv[1])\n"
+            "repo.save_async('r', 1, {'w': np.ones((512, 1024), dtype=np.float32)})\n")  # no wait, no close
+    out = subprocess.run([PYTHON, "-c", code, str(tmp_path / "r")], env=child_env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    repo = luopan.open(tmp_path / "r")
+    assert repo.steps("r") == [1] and repo.verify().ok
+
+
+def test_wait_timeout_does_not_swallow_the_error():
+    store, repo = failing_repo()
+    import threading
+
+    gate = threading.Event()
+    real = store._maybe_fail
+
+    def slow(key, store_it):
+        gate.wait(5)
+        return real(key, store_it)
+
+    store._maybe_fail = slow
+    handle = repo.save_async("r", 1, state())
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout=0.01)
+    gate.set()
+    with pytest.raises(OSError, match="injected"):
+        repo.close()  # the timed-out wait did not count as having seen the failure
+
+
+def test_inference_tensors_save_with_and_without_trust(repo):
+    with torch.inference_mode():
+        t = torch.ones(100)
+    repo.save("r", 1, {"t": t})
+    repo.save("r", 2, {"t": t}, trust_versions=True)
+    assert torch.equal(repo.load("r", 2)["t"], torch.ones(100))

@@ -43,14 +43,37 @@ def test_unchanged_resave_computes_no_content_hash(tmp_path, blake3_calls):
     assert repo.verify().ok
 
 
-def test_a_new_process_uses_the_latest_manifest(tmp_path, blake3_calls):
+def test_a_new_process_does_not_trust_rows_read_from_disk(tmp_path, blake3_calls):
+    """Rows in a manifest on disk could be crafted (XXH3 of public weights -> BLAKE3 of other bytes): a process's
+    first save of a run hashes everything, and only its own rows steer later saves."""
     luopan.open(tmp_path / "r", chunk_size=64 * 1024).save("r", 1, state())
     blake3_calls.clear()
     repo = luopan.open(tmp_path / "r")
     info = repo.save("r", 2, state())
-    assert blake3_calls == [] and info.new_bytes == 0
-    other_run = repo.save("other", 1, state())  # another run has no previous save: hashes, then dedups
-    assert len(blake3_calls) == other_run.chunks and other_run.new_bytes == 0
+    assert len(blake3_calls) == info.chunks and info.new_bytes == 0  # hashed, then deduplicated
+    blake3_calls.clear()
+    assert repo.save("r", 3, state()).new_bytes == 0 and blake3_calls == []  # now its own rows are used
+
+
+def test_crafted_manifest_rows_cannot_poison_a_save(tmp_path):
+    from luopan.format.canonical import seal, unseal
+
+    rng = np.random.default_rng(1)
+    public = {"w": rng.standard_normal((64, 1024), dtype=np.float32)}
+    evil = {"w": public["w"] + 1}
+    repo = luopan.open(tmp_path / "r", chunk_size=64 * 1024)
+    repo.save("evil", 1, evil)
+    repo.save("r", 1, public)
+    m_evil = unseal(next(repo.store.get(k) for k in repo.store.list("runs/evil/")))
+    key = next(repo.store.list("runs/r/"))
+    doc = unseal(repo.store.get(key))
+    for row, bad in zip(doc["entries"][0]["chunks"], m_evil["entries"][0]["chunks"]):
+        row[0], row[1:6] = bad[0], [0, *bad[2:6]]  # keep the public XXH3, point at the evil chunk
+    doc["packs"] = m_evil["packs"]
+    repo.store.put(key, seal(doc))
+    victim = luopan.open(tmp_path / "r")
+    victim.save("r", 2, public)
+    np.testing.assert_array_equal(victim.load("r", 2)["w"], public["w"])
 
 
 def test_changed_shape_or_dtype_is_rehashed(tmp_path, blake3_calls):

@@ -287,3 +287,28 @@ def test_only_canonical_manifest_names_count_as_steps(repo, repo_path):
     (ckpt / "0000010٠.json").write_bytes(b"{}")  # non-ASCII digit
     assert repo.steps("r") == [100]
     assert [c.step for c in repo.checkpoints("r")] == [100]
+
+
+def test_export_refuses_the_reserved_metadata_name(repo, tmp_path):
+    repo.save("r", 1, {"model": {"__metadata__": torch.ones(2)}})
+    with pytest.raises(luopan.UnsupportedValueError, match="__metadata__"):
+        repo.export("r", tmp_path / "m.safetensors", subtree="model")
+
+
+def test_diff_counts_an_entry_newly_tied_to_an_unchanged_one(repo):
+    a, b = torch.ones(1000), torch.zeros(1000)
+    repo.save("r", 1, {"a": a, "b": b})
+    repo.save("r", 2, {"a": a, "b": a})
+    d = repo.diff("r", 1, 2)
+    assert [c["path"] for c in d["changed"]] == ["b"] and d["changed_bytes"] == 4000
+
+
+def test_save_async_of_non_contiguous_tensors(repo):
+    base = torch.randn(300, 200)
+    s = {"t": base.t(), "c": torch.randn(10, dtype=torch.complex64).conj()}
+    expected = {"t": base.t().clone(), "c": s["c"].resolve_conj().clone()}
+    h = repo.save_async("r", 1, s)
+    base.zero_()
+    h.wait()
+    out = repo.load("r", 1)
+    assert torch.equal(out["t"], expected["t"]) and torch.equal(out["c"], expected["c"])

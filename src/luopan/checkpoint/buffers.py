@@ -38,8 +38,11 @@ class HostBuffers:
             if buf is None:
                 buf = self._bufs[key] = np.empty(leaf.nbytes, dtype=np.uint8)
             used.add(key)
-            src = np.frombuffer(leaf.host_bytes(), dtype=np.uint8)
-            copies += [(buf[i : i + _PIECE], src[i : i + _PIECE]) for i in range(0, leaf.nbytes, _PIECE)]
+            if leaf.kind == "torch" and not _plain_host_tensor(leaf.obj):
+                _torch_copy_into(buf, leaf.obj)  # device / strided / conj: one copy, no host temporary
+            else:
+                src = np.frombuffer(leaf.host_bytes(), dtype=np.uint8)
+                copies += [(buf[i : i + _PIECE], src[i : i + _PIECE]) for i in range(0, leaf.nbytes, _PIECE)]
             out.append(dataclasses.replace(leaf, obj=None, frozen=memoryview(buf)))
         # memcpy releases the GIL: two threads copy at ~11 GB/s here vs ~6.5 GB/s for one (256 MiB: 23 vs 40 ms)
         with ThreadPoolExecutor(WORKERS, "luopan-copy") as pool:
@@ -55,3 +58,16 @@ class HostBuffers:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._bufs.values())
+
+
+def _plain_host_tensor(t: object) -> bool:
+    return (t.device.type == "cpu" and t.is_contiguous()  # type: ignore[attr-defined]
+            and not t.is_conj() and not t.is_neg())  # type: ignore[attr-defined]
+
+
+def _torch_copy_into(buf: np.ndarray, t: object) -> None:
+    import torch
+
+    dst = torch.from_numpy(buf).view(t.dtype).view(t.shape)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        dst.copy_(t)  # type: ignore[arg-type]

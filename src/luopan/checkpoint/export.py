@@ -67,6 +67,11 @@ def export_safetensors(
     offset = 0
     for name, i in selected:
         e = m.entries[i]
+        if name == "__metadata__":
+            raise UnsupportedValueError(
+                f"entry {e['path']!r} would be named __metadata__, which safetensors reserves; export a subtree "
+                "that does not contain it (--subtree)"
+            )
         code = SAFETENSORS_DTYPES.get(e["dtype"])
         if code is None:
             raise UnsupportedValueError(
@@ -145,8 +150,9 @@ def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:
         "run": b.run, "from_step": a.step, "to_step": b.step,
         "changed": changed, "added": added, "removed": removed,
         "unchanged": sum(1 for p in eb if p in ea) - len(changed),
-        # tied entries share their first name's chunks: count those bytes once
-        "changed_bytes": sum(c["changed_bytes"] for c in changed if c["tied_to"] is None)
+        # a tied entry shares its source's chunks: count them once, unless only the tied entry changed
+        "changed_bytes": sum(c["changed_bytes"] for c in changed
+                             if c["tied_to"] is None or c["tied_to"] not in {x["path"] for x in changed})
         + sum(eb[x["path"]]["nbytes"] for x in added if "alias_of" not in eb[x["path"]]),
         "metrics": {"from": a.metrics, "to": b.metrics},
         "same_structure": a.doc["fingerprint"] == b.doc["fingerprint"],

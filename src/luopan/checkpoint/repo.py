@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,6 +178,7 @@ class Repo:
                 self._worker.shutdown(wait=True)
                 self._worker = None
             self._buffers.clear()
+            self._versions.clear()
 
     # -- saving -------------------------------------------------------------------------------------------------
     def save(
@@ -198,8 +201,11 @@ class Repo:
 
         ``trust_versions=True`` (opt-in) skips reading torch tensors whose version counter has not moved since
         this process saved the same tensor object for this run: free for frozen weights. Writes that bypass the
-        counter (``t.data[...] = …``, writes through ``t.numpy()`` or DLPack views, custom kernels) are then
-        missed — silently stale data — so use it only when the state is changed by autograd/optimizer steps.
+        counter are then missed — silently stale data: ``t.data[...] = …``, writes through ``t.numpy()`` or DLPack
+        views, custom kernels, and **fused optimizers** (``torch.optim.AdamW(fused=True)``, HF
+        ``adamw_torch_fused``), which update weights and moments in place without moving it. Saving
+        ``{k: p.data}`` also defeats it (each ``.data`` has a fresh counter). Use it for state changed only by
+        ordinary (non-fused) in-place ops, e.g. a frozen base model next to a trained adapter.
         """
         self._drain()
         return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions))
@@ -228,18 +234,22 @@ class Repo:
         plan.leaves = self._buffers.freeze(plan.leaves)  # the only stall: one copy into reused host memory
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "luopan-save")
+            _drain_at_exit(self)
         handle = SaveHandle(self._worker.submit(self._commit, plan), run, step)
         self._inflight = handle
         return handle
 
     def _drain(self) -> None:
         """Wait for the save in flight; raise its error if no caller has observed it."""
-        handle, self._inflight = self._inflight, None
+        handle = self._inflight
         if handle is None:
             return
-        exc = handle._future.exception()
+        exc = handle._future.exception()  # wait first: if this is interrupted the save stays in flight
+        self._inflight = None
         if exc is not None and not handle._observed:
             handle._observed = True
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised by the background save_async of run {handle.run!r} step {handle.step})")
             raise exc
 
     def _prepare(self, run: str, step: int, state: Any, metrics: dict[str, Any] | None,
@@ -260,12 +270,10 @@ class Repo:
         # Everything that goes into the manifest is checked before any pack is written.
         _check_json("state", skeleton, dict)
         metadata_copy = json.loads(canonical(metadata)) if metadata else None
-        versions = _tensor_versions(leaves)
+        versions = _tensor_versions(leaves) if trust_versions else {}
         seen = self._versions.get(run, {})
-        unchanged = frozenset(
-            i for i, (path, rec) in versions.items()
-            if trust_versions and path in seen and seen[path][1:] == rec[1:]
-        )
+        unchanged = frozenset(i for i, (path, rec) in versions.items()
+                              if path in seen and _same_version(seen[path], rec))
         return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
                          {path: rec for path, rec in versions.values()}, unchanged)
 
@@ -282,13 +290,10 @@ class Repo:
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
 
     def _previous_rows(self, run: str) -> dict[str, list[list[Any]]]:
-        """Chunk rows of the run's latest checkpoint, for change detection (a hint: every reuse is XXH3-checked)."""
-        if run not in self._previous:
-            try:
-                self._previous[run] = _rows_by_path(self.manifest(run).doc) if self.steps(run) else {}
-            except LuopanError:
-                self._previous[run] = {}  # a damaged latest manifest only costs re-hashing
-        return self._previous[run]
+        """Chunk rows this process wrote for the run's last save, for XXH3 change detection. Rows read from disk
+        are never used: a crafted manifest could map a public chunk's XXH3 to another chunk's BLAKE3 and poison
+        this process's saves, so the first save of a run in a process hashes everything."""
+        return self._previous.get(run, {})
 
     def _chunk_index(self) -> dict[str, BlobLocation]:
         """Chunk hash → location from all index files (refreshed with index files new since the last call)."""
@@ -455,6 +460,8 @@ class Repo:
         """
         if run is None and step is not None:
             raise ValueError("verify: a step needs a run")
+        if self._inflight is not None:  # let a background save finish before we touch the dedup map
+            self._inflight._future.exception()
         targets = [(r, s) for r in ([run] if run else self.runs()) for s in ([step] if step is not None
                                                                              else self.steps(r))]
         if run is not None and not targets:
@@ -560,22 +567,55 @@ class _SavePlan:
 
 
 def _tensor_versions(leaves: list[Leaf]) -> dict[int, tuple[str, tuple[Any, ...]]]:
-    """leaf index -> (path, (storage, version counter, storage pointer, offset, shape, strides, dtype, device)) for
-    torch tensor leaves: the tier-1 change-detection record of one save.
+    """leaf index -> (path, record) for torch tensor leaves: the tier-1 change-detection record of one save
+    (weak reference to the storage, version counter, address, layout, dtype, device, conj/neg bits).
 
-    The record holds the storage itself (a strong reference), so its memory cannot be freed and reused by another
-    tensor while we compare addresses; the version counter is shared by a tensor, its views and ``detach()``
-    results, so a fresh ``state_dict()`` of the same parameters still matches.
+    The version counter is shared by a tensor, its views and ``detach()``, so a fresh ``state_dict()`` of the same
+    parameters still matches; torch returns the same storage object on every call, so a weak reference to it
+    tells a live storage from a freed one whose address was reused. Tensors without a version counter
+    (inference mode) get no record and are always read.
     """
     out = {}
     for i, leaf in enumerate(leaves):
         t = leaf.obj
-        if leaf.kind != "torch" or leaf.alias_of is not None or leaf.nbytes == 0:
+        if leaf.kind != "torch" or leaf.alias_of is not None or leaf.nbytes == 0 or t.is_inference():
             continue
         storage = t.untyped_storage()
-        out[i] = (leaf.path, (storage, t._version, storage.data_ptr(), t.storage_offset(), tuple(t.shape),
-                              t.stride(), t.dtype, str(t.device)))
+        try:
+            ref = weakref.ref(storage)
+        except TypeError:
+            continue
+        out[i] = (leaf.path, (ref, t._version, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+                              t.dtype, str(t.device), t.is_conj(), t.is_neg()))
     return out
+
+
+def _same_version(seen: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    storage = seen[0]()
+    return storage is not None and storage is now[0]() and seen[1:] == now[1:]
+
+
+def _drain_at_exit(repo: Repo) -> None:
+    """Finish a save_async in flight when the interpreter exits without close().
+
+    Registered with threading's exit hooks, which run (newest first) before concurrent.futures refuses new work at
+    shutdown; a plain atexit hook would run too late and the background commit would fail unseen. An error is
+    printed (the process is exiting) rather than lost.
+    """
+    ref = weakref.ref(repo)
+
+    def drain() -> None:
+        r = ref()
+        if r is None or r._inflight is None:
+            return
+        try:
+            r._drain()
+        except BaseException as exc:  # noqa: BLE001 - exiting: report, never swallow silently
+            sys.stderr.write(f"luopan: a background save failed at exit: {exc!r}\n")
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(drain)
 
 
 class SaveHandle:
@@ -592,8 +632,11 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the checkpoint is committed (or the save failed: then raise its error)."""
-        self._observed = True
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done():  # a timeout does not count as having seen the outcome
+                self._observed = True
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
