@@ -7,19 +7,22 @@ import luopan
 from luopan.checkpoint import save as save_mod
 
 
+def count_calls(monkeypatch, module_name, func_name):
+    """Replace save_mod.<module_name>.<func_name> with a wrapper recording the size of each call's data."""
+    calls = []
+    real = getattr(getattr(save_mod, module_name), func_name)
+
+    def counting(data):
+        calls.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(save_mod, module_name, type("Counting", (), {func_name: staticmethod(counting)}))
+    return calls
+
+
 @pytest.fixture
 def blake3_calls(monkeypatch):
-    calls = []
-    real = save_mod.blake3.blake3
-
-    class Counting:
-        @staticmethod
-        def blake3(data):
-            calls.append(len(data))
-            return real(data)
-
-    monkeypatch.setattr(save_mod, "blake3", Counting)
-    return calls
+    return count_calls(monkeypatch, "blake3", "blake3")
 
 
 def state(seed=0):
@@ -92,16 +95,7 @@ def test_changed_shape_or_dtype_is_rehashed(tmp_path, blake3_calls):
 def test_tier1_trusted_versions_skip_reading_frozen_tensors(tmp_path, monkeypatch):
     import torch
 
-    reads = []
-    real = save_mod.xxhash.xxh3_128_hexdigest
-
-    class Counting:
-        @staticmethod
-        def xxh3_128_hexdigest(data):
-            reads.append(len(data))
-            return real(data)
-
-    monkeypatch.setattr(save_mod, "xxhash", Counting)
+    reads = count_calls(monkeypatch, "xxhash", "xxh3_128_hexdigest")
     repo = luopan.open(tmp_path / "r", chunk_size=64 * 1024)
     base = torch.randn(512, 512)  # 1 MiB frozen
     lora = torch.zeros(8, 512)

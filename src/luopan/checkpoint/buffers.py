@@ -55,10 +55,6 @@ class HostBuffers:
     def clear(self) -> None:
         self._bufs.clear()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._bufs.values())
-
 
 def _plain_host_tensor(t: object) -> bool:
     return (t.device.type == "cpu" and t.is_contiguous()  # type: ignore[attr-defined]

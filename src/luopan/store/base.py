@@ -73,9 +73,5 @@ class Store(abc.ABC):
         """Remove temporaries left by dead writers; returns how many. Backends without temporaries do nothing."""
         return 0
 
-    def free_bytes(self) -> int | None:
-        """Free space in bytes where the backend can tell, else None."""
-        return None
-
     def describe(self) -> str:
         return type(self).__name__

@@ -11,7 +11,6 @@ import errno
 import fcntl
 import os
 import secrets
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -253,12 +252,6 @@ class LocalStore(Store):
                 if TMP_MARK in name and _remove_if_abandoned(os.path.join(dirpath, name)):
                     removed += 1
         return removed
-
-    def free_bytes(self) -> int | None:
-        try:
-            return shutil.disk_usage(self.root).free
-        except OSError:
-            return None
 
     def describe(self) -> str:
         return self.root
