@@ -198,6 +198,7 @@ def test_manifest_contents(repo, tmp_path, monkeypatch):
     assert fp[0] == fp[1] != fp[2]
     ref = json.loads(repo.store.get("refs/runs/r/latest.json"))
     assert ref["step"] == 9 and ref["manifest"] == "runs/r/ckpt/00000009.json"
+    assert ref["manifest_checksum"] == json.loads(repo.store.get(ref["manifest"]))["checksum"]
 
 
 def test_code_version_absent_outside_git(tmp_path, monkeypatch):

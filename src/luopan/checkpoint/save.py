@@ -140,8 +140,8 @@ def write_checkpoint(
     ``previous`` maps entry paths of the run's previous checkpoint to their manifest chunk rows: a chunk whose
     XXH3-128 and size equal the previous row at the same position reuses that row's BLAKE3 address without
     computing it (docs/format.md §5.1). Leaves in ``unchanged`` (tier 1: the caller vouches their bytes equal the
-    previous save's) take the previous rows without being read at all. On any failure before the index file is visible, the packs this save
-    wrote are deleted again (nothing can reference them yet).
+    previous save's) take the previous rows without being read at all. On any failure before the index file is
+    visible, the packs this save wrote are deleted again (nothing can reference them yet).
     """
     previous = previous or {}
     chunk_size = config.chunk_size

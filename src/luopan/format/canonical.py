@@ -64,7 +64,13 @@ def unseal(data: bytes) -> dict[str, Any]:
     return verify_seal(parse_object(data))
 
 
+_CHECKSUM_PREFIX = b'{"' + CHECKSUM_FIELD.encode() + b'":"'
+
+
 def sealed_checksum(data: bytes) -> str:
-    """The checksum recorded in sealed bytes (for refs that pin a manifest); unverified."""
-    obj = json.loads(data)
-    return str(obj.get(CHECKSUM_FIELD, ""))
+    """The checksum recorded in sealed bytes (for refs that pin a manifest); unverified. Reads it from the front
+    when `seal` put it there (the usual case) instead of parsing a possibly large document again."""
+    if data.startswith(_CHECKSUM_PREFIX):
+        end = data.index(b'"', len(_CHECKSUM_PREFIX))
+        return data[len(_CHECKSUM_PREFIX) : end].decode()
+    return str(json.loads(data).get(CHECKSUM_FIELD, ""))
