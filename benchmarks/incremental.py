@@ -1,5 +1,6 @@
-"""The `incremental` suite (issue 3): P2 (LoRA re-save vs torch.save and the MD5-delta method), P4 (restore after
-100 saves), P6 (async save stall), P8 (re-saving unchanged state). P3 (row deltas) is not built yet.
+"""The `incremental` suite (issue 3): P2 (LoRA re-save vs torch.save and the MD5-delta method), P3 (row deltas of
+an embedding table, benchmarks/rowdelta.py), P4 (restore after 100 saves), P6 (async save stall), P8 (re-saving
+unchanged state).
 
 P8.unchanged_over_full: a state of NumPy arrays (no version counters: change detection must look at the bytes) is
 saved into a fresh repository (a first, full save), then saved again unchanged as the next step of the same run.
@@ -20,6 +21,9 @@ from typing import Any
 import numpy as np
 
 from common import machine_info, median, settle, spread, timed
+from rowdelta import run_p3
+
+P3_INTERVALS = 20
 
 
 def build_numpy_state(size_mib: int, seed: int = 0) -> dict[str, Any]:
@@ -65,6 +69,7 @@ def run_incremental(size_mib: int, reps: int, workdir_parent: str | None, log: A
         p6 = _p6(size_mib, reps, work, log)
         p2 = run_p2(size_mib, reps, work, log)
         p4 = run_p4(max(32, size_mib // 4), 100, max(reps, 7), work, log)
+        p3 = run_p3(max(16, size_mib // 2), P3_INTERVALS, work, log)  # 512 MiB table at the default 1 GiB
         return {
             "suite": "incremental",
             "size_mib": size_mib,
@@ -86,8 +91,7 @@ def run_incremental(size_mib: int, reps: int, workdir_parent: str | None, log: A
                 "notes": "NumPy arrays (no version counters), so every byte is looked at: XXH3-128 per chunk "
                          "against the run's previous manifest (docs/format.md §5.1); BLAKE3 only for chunks "
                          "that changed (none here). Each repetition uses a fresh repository.",
-            }, p6, *p2, p4],
-            "pending": ["P3.full_over_written (row deltas are not built yet)"],
+            }, p6, *p2, *p3, p4],
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -175,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
                                f"default mode ratio {r['ratio_default_mode']}") if "peer_s" in r else
                               f"wrote {r['luopan_stored_bytes']} bytes for {r['changed_tensor_bytes']} changed",
                 "P4": lambda: f"load #{r['saves']} {r['load_last_s']:.3f}s vs load #1 {r['load_first_s']:.3f}s",
+                "P3": lambda: (f"{r['table_bytes'] >> 20} MiB table, {r['intervals']} intervals: auto {r['ratio']}, "
+                               f"touched_rows hint {r['ratio_hint_mode']}, row deltas off {r['ratio_deltas_off']}, "
+                               f"ideal {r['ideal_ratio']}; table rewrites {r['table_rewrites']}"),
             }[r["id"][:2]]()
             print(f"{r['id']}: {r['ratio']:.4f} (goal {r['goal_op']} {r['goal']}: {'met' if r['met'] else 'MISSED'})"
                   f"; {detail}")
-        print("not yet measured (issue 3): " + ", ".join(report["pending"]))
         _write_json(args.json, report)
         return 0
     report = foundation.run_foundation(args.size_mib, args.reps, args.cold_reps, args.workdir, not args.no_rss,

@@ -243,9 +243,9 @@ def test_memory_repository():
 def test_newer_repo_format_refused(repo_path):
     luopan.open(repo_path)
     doc = unseal((repo_path / "luopan.json").read_bytes())
-    doc["format_version"] = 2
+    doc["format_version"] = 3
     (repo_path / "luopan.json").write_bytes(seal(doc))
-    with pytest.raises(luopan.UnsupportedFormatError, match="format_version 2.*upgrade luopan"):
+    with pytest.raises(luopan.UnsupportedFormatError, match="format_version 3.*upgrade luopan"):
         luopan.open(repo_path)
 
 

@@ -7,6 +7,7 @@
 """
 
 from .checkpoint.repo import CheckpointInfo, Repo, SaveHandle, VerifyReport, init, open
+from .checkpoint.rowdelta import DeltaPolicy
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -37,6 +38,7 @@ __all__ = [
     "CorruptManifestError",
     "CorruptPackError",
     "CorruptRepoError",
+    "DeltaPolicy",
     "IntegrityError",
     "InvalidNameError",
     "LuopanError",

@@ -19,7 +19,7 @@ from ..errors import CheckpointNotFoundError, UnsupportedValueError
 from ..format.manifest import Manifest
 from ..store.base import Store
 from .parallel import WORKERS, ordered_map
-from .read import ChunkRef, chunk_refs, read_chunk
+from .read import ChunkRef, PendingDelta, chunk_refs, delta_jobs, read_chunk, read_chunks
 
 # safetensors dtype codes, by luopan dtype name (torch names and NumPy names coincide where both exist)
 SAFETENSORS_DTYPES = {
@@ -60,10 +60,11 @@ def export_safetensors(
 ) -> dict[str, Any]:
     """Write the selected tensors of manifest ``m`` to ``out_path`` as safetensors. Returns a summary."""
     selected = select_entries(m, subtree)
+    deltas: dict[int, PendingDelta] = {}
     header: dict[str, Any] = {"__metadata__": {
         "format": "pt", "luopan.run": m.run, "luopan.step": str(m.step), "luopan.fingerprint": m.doc["fingerprint"],
     }}
-    refs: list[ChunkRef] = []
+    refs: list[tuple[ChunkRef, int, PendingDelta | None]] = []  # (chunk, its offset in the entry, row delta)
     offset = 0
     for name, i in selected:
         e = m.entries[i]
@@ -81,16 +82,24 @@ def export_safetensors(
         header[name] = {"dtype": code, "shape": e["shape"], "data_offsets": [offset, offset + e["nbytes"]]}
         offset += e["nbytes"]
         source = e.get("alias_of", i)  # tied tensors are written once per name (safetensors shares nothing)
-        refs += [ref for _pos, ref in chunk_refs(m, source)]
+        delta = deltas.get(source)
+        if delta is None and "delta" in m.entries[source]:  # read the (small) row delta first, then patch chunks
+            delta, jobs = delta_jobs(m, source)
+            read_chunks(store, jobs)
+            deltas[source] = delta
+        refs += [(ref, pos, delta) for pos, ref in chunk_refs(m, source)]
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
 
     out_path = os.fspath(out_path)
     tmp = f"{out_path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def fetch(ref: ChunkRef) -> bytearray:
+    def fetch(job: tuple[ChunkRef, int, PendingDelta | None]) -> bytearray:
+        ref, pos, delta = job
         buf = bytearray(ref.size)
         read_chunk(store, ref, memoryview(buf))
+        if delta is not None:
+            delta.apply(memoryview(buf), pos)
         return buf
 
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -123,8 +132,10 @@ def export_safetensors(
 def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:
     """Entries added, removed and changed from ``a`` to ``b``, with the bytes of chunks that differ."""
     def chunks(m: Manifest, e: dict[str, Any]) -> list[tuple[str, int]]:
+        """(hash, size) of the entry's stored parts: chunks, then any row delta's index and values."""
         src = m.entries[e["alias_of"]] if "alias_of" in e else e
-        return [(c[0], c[4]) for c in src.get("chunks", [])]
+        d = src.get("delta", {})
+        return [(c[0], c[4]) for c in src.get("chunks", []) + d.get("index", []) + d.get("values", [])]
 
     ea = {e["path"]: e for e in a.entries}
     eb = {e["path"]: e for e in b.entries}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
+import numpy as np
 import zstandard
 
 from ..errors import CorruptPackError, IntegrityError, MissingPackError
@@ -17,6 +18,7 @@ from ..format.names import pack_key
 from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer
 from ..store.base import KeyNotFound, Store
 from .parallel import WORKERS, ordered_map
+from .rowdelta import apply_patch, decode_patch
 
 _tls = threading.local()
 
@@ -41,13 +43,59 @@ class ChunkRef:
                 f"(hash {self.hash[:16]}…, pack {self.pack[:16]}… offset {self.offset})")
 
 
-def chunk_refs(m: Manifest, entry_index: int) -> Iterator[tuple[int, ChunkRef]]:
-    """(byte offset within the entry, ChunkRef) for each chunk of an entry."""
+def chunk_refs(m: Manifest, entry_index: int, part: str | None = None) -> Iterator[tuple[int, ChunkRef]]:
+    """(byte offset, ChunkRef) for each chunk of an entry: its (base) chunks, or with ``part`` "index"/"values"
+    those of its row delta (offsets within that part)."""
     e = m.entries[entry_index]
+    chunks = e.get("chunks", []) if part is None else e["delta"][part]
+    path = e["path"] if part is None else f"{e['path']} (row delta {part})"
     pos = 0
-    for n, (h, p, off, length, size, codec, _xxh3) in enumerate(e.get("chunks", [])):
-        yield pos, ChunkRef(m.run, m.step, e["path"], n, h, m.packs[p], off, length, size, codec)
+    for n, (h, p, off, length, size, codec, _xxh3) in enumerate(chunks):
+        yield pos, ChunkRef(m.run, m.step, path, n, h, m.packs[p], off, length, size, codec)
         pos += size
+
+
+def all_chunk_refs(m: Manifest, entry_index: int) -> Iterator[ChunkRef]:
+    """Every chunk an entry needs: its (base) chunks and, for a row delta, the delta's index and values."""
+    yield from (ref for _pos, ref in chunk_refs(m, entry_index))
+    if "delta" in m.entries[entry_index]:
+        for part in ("index", "values"):
+            yield from (ref for _pos, ref in chunk_refs(m, entry_index, part))
+
+
+@dataclass
+class PendingDelta:
+    """The row delta of one entry, read alongside its base chunks and applied once all are verified."""
+
+    manifest: Manifest
+    entry_index: int
+    index: memoryview
+    values: memoryview
+    _decoded: tuple[np.ndarray, np.ndarray, int] | None = None
+
+    def decode(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(row numbers, values, row bytes), checked once (call only after the chunks were read and verified)."""
+        if self._decoded is None:
+            e = self.manifest.entries[self.entry_index]
+            self._decoded = decode_patch(e, self.index, self.values,
+                                         f"run {self.manifest.run!r} step {self.manifest.step}")
+        return self._decoded
+
+    def apply(self, out: memoryview, pos: int = 0) -> None:
+        """Patch bytes [pos, pos + len(out)) of the entry in ``out`` (the whole entry by default)."""
+        apply_patch(out, pos, *self.decode())
+
+
+def delta_jobs(m: Manifest, entry_index: int) -> tuple[PendingDelta | None, list[tuple[ChunkRef, memoryview]]]:
+    """Buffers and read jobs for an entry's row delta (None, [] when it has none)."""
+    d = m.entries[entry_index].get("delta")
+    if d is None:
+        return None, []
+    pending = PendingDelta(m, entry_index, memoryview(bytearray(sum(c[4] for c in d["index"]))),
+                           memoryview(bytearray(sum(c[4] for c in d["values"]))))
+    jobs = [(ref, buf[pos : pos + ref.size]) for part, buf in (("index", pending.index), ("values", pending.values))
+            for pos, ref in chunk_refs(m, entry_index, part)]
+    return pending, jobs
 
 
 def _scratch(size: int) -> memoryview:

@@ -45,7 +45,8 @@ from ..store.local import TMP_MARK
 from ..tree import Leaf, flatten, new_array, unflatten
 from .buffers import HostBuffers
 from .export import diff_manifests, export_safetensors
-from .read import ChunkRef, check_pack_trailer, chunk_refs, read_chunks, verify_chunks
+from .read import ChunkRef, all_chunk_refs, check_pack_trailer, chunk_refs, delta_jobs, read_chunks, verify_chunks
+from .rowdelta import DeltaPolicy, RowTrack, normalise_hint
 from .save import write_checkpoint
 
 
@@ -84,10 +85,12 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     chunk_size: int | None = None,
     pack_size: int | None = None,
     compression: str | Compression | None = None,
+    delta_policy: DeltaPolicy | None = None,
 ) -> Repo:
     """Open the repository at a path/URL, creating it (with the given options) when missing and ``create``.
 
     Options apply at creation; on an existing repository, an option that differs from its config is an error.
+    ``delta_policy`` (not stored: it steers this process's saves) says which tables are stored as row deltas.
     """
     if sys.byteorder != "little":  # docs/format.md §5: entries are stored little-endian, as in host memory
         raise LuopanError("luopan repositories are little-endian; this big-endian host cannot read or write them")
@@ -111,7 +114,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
                     "options apply only when a repository is created"
                 )
     store.cleanup_temporaries()
-    return Repo(store, config)
+    return Repo(store, config, delta_policy)
 
 
 def init(location: str | os.PathLike[str] | Store, **options: Any) -> Repo:
@@ -149,12 +152,14 @@ def _create(store: Store, chunk_size: int | None, pack_size: int | None,
 class Repo:
     """A luopan repository. Not safe for concurrent saves from several threads of one process."""
 
-    def __init__(self, store: Store, config: RepoConfig) -> None:
+    def __init__(self, store: Store, config: RepoConfig, delta_policy: DeltaPolicy | None = None) -> None:
         self.store = store
         self.config = config
+        self.delta_policy = delta_policy or DeltaPolicy()
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
-        self._previous: dict[str, dict[str, list[list[Any]]]] = {}  # run -> path -> chunk rows of its last save
+        self._previous: dict[str, dict[str, dict[str, Any]]] = {}  # run -> path -> entry of its last save
+        self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         self._buffers = HostBuffers()
         self._worker: ThreadPoolExecutor | None = None
@@ -179,6 +184,7 @@ class Repo:
                 self._worker = None
             self._buffers.clear()
             self._versions.clear()
+            self._tracks.clear()
 
     # -- saving -------------------------------------------------------------------------------------------------
     def save(
@@ -191,6 +197,7 @@ class Repo:
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
         trust_versions: bool = False,
+        touched_rows: dict[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Commit ``state`` as checkpoint ``step`` of ``run``; writes only chunks the repository lacks.
 
@@ -206,9 +213,17 @@ class Repo:
         ``adamw_torch_fused``), which update weights and moments in place without moving it. Saving
         ``{k: p.data}`` also defeats it (each ``.data`` has a fresh counter). Use it for state changed only by
         ordinary (non-fused) in-place ops, e.g. a frozen base model next to a trained adapter.
+
+        Large tables (``repo.delta_policy``) whose rows change sparsely are stored as a row delta against an
+        earlier full version (docs/format.md §5.2); changed rows are found automatically. ``touched_rows={"emb.weight":
+        ids}`` (key paths as in ``luopan show``) names the rows the training loop changed since the previous save
+        of this run and skips that detection; a hint that misses a changed row in a chunk that also holds a
+        touched row stores that row stale, so pass every row the optimizer wrote (a chunk that changed without any
+        touched row is detected and handled without the hint).
         """
         self._drain()
-        return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions))
+        return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions,
+                                          touched_rows))
 
     def save_async(
         self,
@@ -220,6 +235,7 @@ class Repo:
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
         trust_versions: bool = False,
+        touched_rows: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Like ``save``, but returns as soon as the state is copied into reusable host buffers; hashing, packing
         and writing happen on a background thread. The caller may change the state right after this returns.
@@ -230,7 +246,7 @@ class Repo:
         A process killed mid-persist leaves no visible checkpoint (the manifest is written last).
         """
         self._drain()
-        plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions)
+        plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions, touched_rows)
         plan.leaves = self._buffers.freeze(plan.leaves)  # the only stall: one copy into reused host memory
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "luopan-save")
@@ -253,7 +269,8 @@ class Repo:
             raise exc
 
     def _prepare(self, run: str, step: int, state: Any, metrics: dict[str, Any] | None,
-                 metadata: dict[str, Any] | None, overwrite: bool, trust_versions: bool = False) -> _SavePlan:
+                 metadata: dict[str, Any] | None, overwrite: bool, trust_versions: bool = False,
+                 touched_rows: dict[str, Any] | None = None) -> _SavePlan:
         """Check everything about a save before any byte is written; snapshot metrics and metadata."""
         check_run(run)
         check_step(step)
@@ -275,21 +292,22 @@ class Repo:
         unchanged = frozenset(i for i, (path, rec) in versions.items()
                               if path in seen and _same_version(seen[path], rec))
         return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
-                         {path: rec for path, rec in versions.values()}, unchanged)
+                         {path: rec for path, rec in versions.values()}, unchanged, _hints(touched_rows, leaves))
 
     def _commit(self, plan: _SavePlan) -> CheckpointInfo:
         known = self._chunk_index()
         result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
                                   plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run),
-                                  plan.unchanged)
+                                  plan.unchanged, self._tracks.get(plan.run), plan.hints, self.delta_policy)
         known.update(result.new_locations)
-        self._previous[plan.run] = _rows_by_path(result.doc)
+        self._previous[plan.run] = _entries_by_path(result.doc)
+        self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
         if result.index_key is not None:
             self._indexes_seen.add(result.index_key)  # already in `known`; re-reading it would undo verify's drops
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
 
-    def _previous_rows(self, run: str) -> dict[str, list[list[Any]]]:
+    def _previous_rows(self, run: str) -> dict[str, dict[str, Any]]:
         """Chunk rows this process wrote for the run's last save, for XXH3 change detection. Rows read from disk
         are never used: a crafted manifest could map a public chunk's XXH3 to another chunk's BLAKE3 and poison
         this process's saves, so the first save of a run in a process hashes everything."""
@@ -370,6 +388,7 @@ class Repo:
         m = self.manifest(run, step)
         objs: list[Any] = [None] * len(m.entries)
         jobs: list[tuple[ChunkRef, memoryview]] = []
+        patches = []
         for i, e in enumerate(m.entries):
             if "alias_of" in e:
                 continue
@@ -377,7 +396,13 @@ class Repo:
             objs[i] = obj
             for pos, ref in chunk_refs(m, i):
                 jobs.append((ref, view[pos : pos + ref.size]))
+            delta, more = delta_jobs(m, i)
+            if delta is not None:
+                jobs += more
+                patches.append((delta, view))
         read_chunks(self.store, jobs)
+        for delta, view in patches:  # row deltas: base bytes first, then the changed rows over them
+            delta.apply(view)
         for i, e in enumerate(m.entries):
             if "alias_of" in e:
                 objs[i] = objs[e["alias_of"]]
@@ -427,6 +452,7 @@ class Repo:
             )
         jobs: list[tuple[ChunkRef, memoryview]] = []
         copies = []
+        patches = []
         for leaf, i in plan:
             dest = _writable_bytes(leaf)
             if dest is None:  # non-contiguous / device / conj target: read fresh, then copy_ into it
@@ -434,7 +460,13 @@ class Repo:
                 fresh, dest = new_array(e["kind"], e["dtype"], e["shape"])
                 copies.append((leaf, fresh))
             jobs += [(ref, dest[pos : pos + ref.size]) for pos, ref in chunk_refs(m, i)]
+            delta, more = delta_jobs(m, i)
+            if delta is not None:
+                jobs += more
+                patches.append((delta, dest))
         read_chunks(self.store, jobs, via_scratch=True)  # one batch on both cores; verified before copying
+        for delta, dest in patches:
+            delta.apply(dest)
         for leaf, fresh in copies:
             if leaf.kind == "torch":
                 with sys.modules["torch"].no_grad():
@@ -475,7 +507,7 @@ class Repo:
                 problems.append(exc)
                 continue
             for i in range(len(m.entries)):
-                for _pos, ref in chunk_refs(m, i):
+                for ref in all_chunk_refs(m, i):
                     refs.setdefault(f"{ref.hash}/{ref.pack}/{ref.offset}", ref)
         if on_total is not None:
             on_total(sum(r.size for r in refs.values()))
@@ -564,6 +596,7 @@ class _SavePlan:
     overwrite: bool
     versions: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     unchanged: frozenset[int] = frozenset()
+    hints: dict[str, Any] = field(default_factory=dict)  # touched rows per table path
 
 
 def _tensor_versions(leaves: list[Leaf]) -> dict[int, tuple[str, tuple[Any, ...]]]:
@@ -655,8 +688,32 @@ class VerifyReport:
         return not self.problems
 
 
-def _rows_by_path(doc: dict[str, Any]) -> dict[str, list[list[Any]]]:
-    return {e["path"]: e["chunks"] for e in doc["entries"] if "chunks" in e}
+def _entries_by_path(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["path"]: e for e in doc["entries"] if "chunks" in e}
+
+
+def _hints(touched_rows: dict[str, Any] | None, leaves: list[Leaf]) -> dict[str, Any]:
+    """touched_rows checked against the state: each key a table entry, each value valid row numbers (copied)."""
+    if not touched_rows:
+        return {}
+    if not isinstance(touched_rows, dict):
+        raise UnsupportedValueError(
+            f"touched_rows must be a dict of key path -> row numbers, got {type(touched_rows).__name__}")
+    by_path = {leaf.path: leaf for leaf in leaves}
+    out = {}
+    for path, ids in touched_rows.items():
+        leaf = by_path.get(path)
+        if leaf is None:
+            near = sorted(p for p in by_path if len(by_path[p].shape) >= 2)[:10]
+            raise UnsupportedValueError(
+                f"touched_rows names {path!r}, which is not a key path of the state; tables in the state: "
+                f"{', '.join(near) or 'none'}")
+        if len(leaf.shape) < 2 or leaf.alias_of is not None:
+            raise UnsupportedValueError(
+                f"touched_rows names {path!r}, which is not a table (a tensor with at least 2 dimensions stored "
+                "under its own key)")
+        out[path] = normalise_hint(path, ids, leaf.shape[0])
+    return out
 
 
 def _writable_bytes(leaf: Any) -> memoryview | None:

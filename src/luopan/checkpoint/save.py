@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 import warnings
@@ -15,7 +16,7 @@ import xxhash
 import zstandard
 
 from .._crash import crashpoint
-from ..format import FORMAT_VERSION
+from ..format import BASE_FORMAT_VERSION
 from ..errors import CheckpointExistsError
 from ..format.canonical import seal, sealed_checksum
 from ..format.chunking import chunk_spans
@@ -29,6 +30,7 @@ from ..tree import Leaf
 from .environment import code_version, environment
 from .parallel import WORKERS, ordered_map
 from .read import check_pack_trailer
+from .rowdelta import Decision, DeltaPolicy, RowTrack, plan_table
 
 _tls = threading.local()
 PACK_WRITES_IN_FLIGHT = 3
@@ -51,6 +53,7 @@ class SaveResult:
     doc: dict[str, Any]
     new_locations: dict[str, BlobLocation]
     index_key: str | None  # the index file this save wrote (its chunks are new_locations)
+    tracks: dict[str, RowTrack] = field(default_factory=dict)  # row-delta state of table entries after this save
 
 
 @dataclass
@@ -132,18 +135,25 @@ def write_checkpoint(
     metrics: dict[str, Any] | None,
     metadata: dict[str, Any] | None,
     overwrite: bool,
-    previous: dict[str, list[list[Any]]] | None = None,
+    previous: dict[str, dict[str, Any]] | None = None,
     unchanged: frozenset[int] = frozenset(),
+    tracks: dict[str, RowTrack] | None = None,
+    hints: dict[str, Any] | None = None,
+    policy: DeltaPolicy = DeltaPolicy(),
 ) -> SaveResult:
     """Write the chunks the store lacks, then index, manifest and ref. Returns the committed manifest.
 
-    ``previous`` maps entry paths of the run's previous checkpoint to their manifest chunk rows: a chunk whose
-    XXH3-128 and size equal the previous row at the same position reuses that row's BLAKE3 address without
-    computing it (docs/format.md §5.1). Leaves in ``unchanged`` (tier 1: the caller vouches their bytes equal the
-    previous save's) take the previous rows without being read at all. On any failure before the index file is
-    visible, the packs this save wrote are deleted again (nothing can reference them yet).
+    ``previous`` maps entry paths of the run's previous checkpoint (saved by this process) to their manifest
+    entries: a chunk whose XXH3-128 and size equal the previous row at the same position reuses that row's BLAKE3
+    address without computing it (docs/format.md §5.1). Leaves in ``unchanged`` (tier 1: the caller vouches their
+    bytes equal the previous save's) take the previous entry's chunks (and row delta) without being read at all.
+    ``tracks`` (row-delta state per entry path), ``hints`` (touched rows per path) and ``policy`` decide which
+    tables are stored as base + changed rows (§5.2). On any failure before the index file is visible, the packs
+    this save wrote are deleted again (nothing can reference them yet).
     """
     previous = previous or {}
+    tracks = tracks or {}
+    hints = hints or {}
     chunk_size = config.chunk_size
     codec = config.compression.codec
     level = config.compression.level
@@ -151,7 +161,11 @@ def write_checkpoint(
     # hash -> (builder, offset, stored length, raw size, codec) for chunks this save adds
     new: dict[str, tuple[PackBuilder, int, int, int, str]] = {}
     entries: list[dict[str, Any]] = []
-    rows: list[list[tuple[str, int, str]]] = []  # per entry: (hash, raw size, xxh3) per chunk
+    # Chunks per target: targets 0..len(leaves)-1 are the entries (for a row delta: its base chunks), later ones
+    # the index and values of row deltas. Each chunk is (hash, raw size, xxh3).
+    rows: list[list[tuple[str, int, str]]] = []
+    deltas: dict[int, tuple[int, int, int, int]] = {}  # entry -> (base step, rows, index target, values target)
+    decisions: dict[int, Decision] = {}
     new_bytes = 0
 
     for leaf in leaves:
@@ -163,6 +177,10 @@ def write_checkpoint(
             e["alias_of"] = leaf.alias_of
         entries.append(e)
         rows.append([])
+
+    def target() -> int:
+        rows.append([])
+        return len(rows) - 1
 
     index_name = None
     pack_sizes: dict[str, int] = {}
@@ -179,30 +197,62 @@ def write_checkpoint(
                 pack_sizes[loc.pack] = -1
         return pack_sizes[loc.pack] >= loc.offset + loc.length
 
+    def usable(chunks: list[tuple[str, int, str]]) -> bool:
+        return all(h in known and reusable(known[h]) for h, _size, _x in chunks)
+
+    def triples(chunk_rows: list[list[Any]]) -> list[tuple[str, int, str]]:
+        return [(r[0], r[4], r[6]) for r in chunk_rows]
+
     skipped = set()
-    for i in unchanged:  # tier 1: reuse the previous rows if every chunk is still there
+    for i in unchanged:  # tier 1: reuse the previous entry (chunks and row delta) if every chunk is still there
         leaf = leaves[i]
         prev = previous.get(leaf.path)
-        if (leaf.alias_of is None and prev and sum(r[4] for r in prev) == leaf.nbytes
-                and all(r[0] in known and reusable(known[r[0]]) for r in prev)):
-            rows[i] = [(r[0], r[4], r[6]) for r in prev]
-            entries[i]["chunking"] = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)[0]
+        if leaf.alias_of is not None or not prev or prev.get("nbytes") != leaf.nbytes or "chunks" not in prev:
+            continue
+        parts = [triples(prev["chunks"])]
+        if "delta" in prev:
+            parts += [triples(prev["delta"]["index"]), triples(prev["delta"]["values"])]
+        if all(usable(p) for p in parts):
+            rows[i] = parts[0]
+            entries[i]["chunking"] = prev["chunking"]
+            if "delta" in prev:
+                it, vt = target(), target()
+                rows[it], rows[vt] = parts[1], parts[2]
+                deltas[i] = (prev["delta"]["base_step"], prev["delta"]["rows"], it, vt)
             skipped.add(i)
 
-    def items():
+    def items() -> Any:
         for i, leaf in enumerate(leaves):
             if leaf.alias_of is not None or i in skipped:
                 continue
             data = leaf.host_bytes()
             mode, spans = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)
             entries[i]["chunking"] = mode
-            prev = previous.get(leaf.path, [])
+            xs: list[str] | None = None
+            if policy.eligible(leaf):
+                dec = decisions[i] = plan_table(leaf, data, spans, step, tracks.get(leaf.path),
+                                                hints.get(leaf.path), policy, usable, pool)
+                if dec.delta is not None:  # base chunks (already stored) + changed rows
+                    assert dec.track.base_chunks is not None
+                    index, values = dec.delta
+                    rows[i] = list(dec.track.base_chunks)
+                    it, vt = target(), target()
+                    deltas[i] = (dec.track.base_step, int(index.size), it, vt)
+                    for t, buf in ((it, memoryview(index.astype("<i8").tobytes())), (vt, values)):
+                        for off, length in chunk_spans(len(buf), (len(buf),), chunk_size)[1]:
+                            yield t, buf[off : off + length], None, None
+                    continue
+                xs = dec.xxh
+            prev = previous.get(leaf.path, {}).get("chunks", [])
             for k, (off, length) in enumerate(spans):
-                yield i, data[off : off + length], prev[k] if k < len(prev) else None
+                yield (i, data[off : off + length], prev[k] if k < len(prev) else None,
+                       xs[k] if xs is not None else None)
 
-    def work(item: tuple[int, memoryview, list[Any] | None]) -> tuple[int, str, memoryview, int, str, str]:
-        i, view, prev = item
-        x = xxhash.xxh3_128_hexdigest(view)  # ~2x BLAKE3's speed here: the cheap change detector
+    def work(item: tuple[int, memoryview, list[Any] | None, str | None]
+             ) -> tuple[int, str, memoryview, int, str, str]:
+        i, view, prev, x = item
+        if x is None:
+            x = xxhash.xxh3_128_hexdigest(view)  # ~2x BLAKE3's speed here: the cheap change detector
         if prev is not None and prev[6] == x and prev[4] == len(view):
             h = prev[0]  # unchanged since the previous save: its content address stands
         else:
@@ -213,8 +263,9 @@ def write_checkpoint(
                 return i, h, memoryview(z), len(view), "zstd", x
         return i, h, view, len(view), "none", x
 
+    pool = ThreadPoolExecutor(WORKERS, "luopan-hash")
     try:
-        with ThreadPoolExecutor(WORKERS, "luopan-hash") as pool:
+        with pool:
             for i, h, stored, size, blob_codec, x in ordered_map(pool, work, items(), window=2 * WORKERS,
                                                                   inline=lambda item: len(item[1]) < INLINE_BYTES):
                 rows[i].append((h, size, x))
@@ -248,19 +299,37 @@ def write_checkpoint(
     for h, (builder, off, length, size, blob_codec) in new.items():
         assert builder.pack_id is not None
         new_locations[h] = BlobLocation(builder.pack_id, off, length, size, blob_codec)
+
+    def manifest_rows(t: int) -> list[list[Any]]:
+        out = []
+        for h, _size, x in rows[t]:
+            loc = new_locations.get(h) or known[h]
+            p = pack_ids.setdefault(loc.pack, len(pack_ids))
+            out.append([h, p, loc.offset, loc.length, loc.size, loc.codec, x])
+        return out
+
     for i, e in enumerate(entries):
         if "alias_of" in e:
             continue
-        chunks = []
-        for h, _size, x in rows[i]:
-            loc = new_locations.get(h) or known[h]
-            p = pack_ids.setdefault(loc.pack, len(pack_ids))
-            chunks.append([h, p, loc.offset, loc.length, loc.size, loc.codec, x])
-        e["chunks"] = chunks
+        e["chunks"] = manifest_rows(i)
         e.setdefault("chunking", "flat")
+        if i in deltas:
+            base_step, nrows, it, vt = deltas[i]
+            e["delta"] = {"base_step": base_step, "rows": nrows, "index": manifest_rows(it),
+                          "values": manifest_rows(vt)}
+
+    new_tracks: dict[str, RowTrack] = {}
+    for i, leaf in enumerate(leaves):
+        if i in decisions:
+            track = decisions[i].track
+            if i not in deltas:  # stored in full: this version is the base for later deltas
+                track = dataclasses.replace(track, base_step=step, base_chunks=rows[i])
+            new_tracks[leaf.path] = track
+        elif i in skipped and leaf.path in tracks:
+            new_tracks[leaf.path] = tracks[leaf.path]
 
     doc: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if deltas else BASE_FORMAT_VERSION,  # §1: the oldest version that describes it
         "run": run,
         "step": step,
         "created": datetime.now(timezone.utc).isoformat(),
@@ -307,7 +376,7 @@ def write_checkpoint(
     except OSError as exc:
         warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
                       f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=3)
-    return SaveResult(mkey, doc, new_locations, index_name)
+    return SaveResult(mkey, doc, new_locations, index_name, new_tracks)
 
 
 def _retract(store: Store, key: str, data: bytes) -> None:

@@ -203,7 +203,9 @@ def show(
                     "fingerprint": doc["fingerprint"], "stats": doc["stats"], "packs": len(m.packs),
                     "entries": [{k: e[k] for k in ("path", "kind", "dtype", "shape", "nbytes")}
                                 | ({"chunks": len(e["chunks"])} if "chunks" in e else {"alias_of":
-                                   m.entries[e["alias_of"]]["path"]}) for e in m.entries]})
+                                   m.entries[e["alias_of"]]["path"]})
+                                | ({"delta": {"base_step": e["delta"]["base_step"], "rows": e["delta"]["rows"]}}
+                                   if "delta" in e else {}) for e in m.entries]})
         return
     s = doc["stats"]
     out.print(f"[bold]{m.run}[/] step [bold]{m.step}[/]  created {m.created}")
@@ -223,6 +225,8 @@ def show(
         t.add_column(col, justify="right" if col in ("bytes", "chunks") else "left")
     for e in m.entries:
         chunks = str(len(e["chunks"])) if "chunks" in e else f"= {m.entries[e['alias_of']]['path']}"
+        if "delta" in e:  # docs/format.md §5.2
+            chunks += f" + {e['delta']['rows']} rows over step {e['delta']['base_step']}"
         t.add_row(e["path"], e["kind"], e["dtype"], str(tuple(e["shape"])), human(e["nbytes"]), chunks)
     out.print(t)
 
@@ -324,7 +328,7 @@ def _version(value: bool) -> None:
     if value:
         from .. import __version__
 
-        out.print(f"luopan {__version__} (repository format {FORMAT_VERSION})")
+        out.print(f"luopan {__version__} (reads repository formats 1-{FORMAT_VERSION})")
         raise typer.Exit()
 
 

@@ -6,7 +6,10 @@ from typing import Any
 
 from ..errors import UnsupportedFormatError
 
-FORMAT_VERSION = 1
+# The newest format_version this luopan reads. Each file is written with the oldest version that can describe it
+# (docs/format.md §1): config and index files are version 1; a manifest is version 2 only if it holds a row delta.
+FORMAT_VERSION = 2
+BASE_FORMAT_VERSION = 1
 
 
 def refuse_newer(obj: dict[str, Any], where: str) -> None:

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import ConfigConflictError, CorruptRepoError
-from . import FORMAT_VERSION, refuse_newer
+from . import BASE_FORMAT_VERSION, refuse_newer
 from .canonical import SealError, parse_object, seal, verify_seal
 
 CONFIG_KEY = "luopan.json"
@@ -49,7 +49,7 @@ class RepoConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     pack_size: int = DEFAULT_PACK_SIZE
     compression: Compression = Compression()
-    format_version: int = FORMAT_VERSION
+    format_version: int = BASE_FORMAT_VERSION
     hash: str = "blake3"
 
     def __post_init__(self) -> None:

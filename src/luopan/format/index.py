@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CorruptRepoError
-from . import FORMAT_VERSION
+from . import BASE_FORMAT_VERSION
 from .canonical import SealError, canonical, digest, seal, unseal
 from .pack import BlobLocation
 
@@ -13,7 +13,7 @@ from .pack import BlobLocation
 def build_index(packs: dict[str, list[dict[str, Any]]]) -> tuple[str, bytes]:
     """(index id, sealed bytes) for {pack id: trailer blob records}."""
     body = {
-        "format_version": FORMAT_VERSION,
+        "format_version": BASE_FORMAT_VERSION,
         "packs": {p: [[b["hash"], b["offset"], b["length"], b["size"], b["codec"]] for b in blobs]
                   for p, blobs in packs.items()},
     }

@@ -123,6 +123,18 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
 MAX_CHUNK_BYTES = 1 << 30  # the largest chunk_size a repository may have (format/config.py)
 
 
+def chunk_bytes(chunks: list[list[Any]], npacks: int, path: str, bad: Any) -> int:
+    """Raw bytes a list of chunk rows holds, after checking each row's pack index and sizes."""
+    total = 0
+    for _h, pack, _off, length, csize, codec, _x in chunks:
+        if pack >= npacks:
+            raise bad(f"entry {path!r} names pack #{pack} of {npacks}")
+        if csize == 0 or csize > MAX_CHUNK_BYTES or (length != csize if codec == "none" else length > csize):
+            raise bad(f"entry {path!r} has a chunk of impossible size (stored {length}, raw {csize})")
+        total += csize
+    return total
+
+
 def _check_consistency(doc: dict[str, Any], where: str) -> None:
     """What the schema cannot say: sizes agree with dtypes and shapes, indices are in range, aliases match.
 
@@ -152,16 +164,22 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
             if any(entries[j][k] != e[k] for k in ("kind", "dtype", "shape", "nbytes")):
                 raise bad(f"entry {path!r} aliases entry {entries[j]['path']!r} of a different type or shape")
             continue
-        total = 0
-        for c in e["chunks"]:
-            _h, pack, _off, length, csize, codec, _x = c
-            if pack >= npacks:
-                raise bad(f"entry {path!r} names pack #{pack} of {npacks}")
-            if csize == 0 or csize > MAX_CHUNK_BYTES or (length != csize if codec == "none" else length > csize):
-                raise bad(f"entry {path!r} has a chunk of impossible size (stored {length}, raw {csize})")
-            total += csize
+        total = chunk_bytes(e["chunks"], npacks, path, bad)
         if total != e["nbytes"]:
             raise bad(f"entry {path!r} chunks hold {total} bytes, expected {e['nbytes']}")
+        d = e.get("delta")
+        if d is not None:  # docs/format.md §5.2: base chunks + changed rows (indices, values)
+            if doc["format_version"] < 2:
+                raise bad(f"entry {path!r} has a row delta, which format_version {doc['format_version']} lacks")
+            if e.get("scalar") or not e["shape"] or e["shape"][0] == 0:
+                raise bad(f"entry {path!r} has a row delta but no rows")
+            nrows = e["shape"][0]
+            if d["rows"] > nrows:
+                raise bad(f"entry {path!r} delta names {d['rows']} rows of {nrows}")
+            if chunk_bytes(d["index"], npacks, path, bad) != 8 * d["rows"]:
+                raise bad(f"entry {path!r} delta index is not {d['rows']} int64 row numbers")
+            if chunk_bytes(d["values"], npacks, path, bad) != d["rows"] * (e["nbytes"] // nrows):
+                raise bad(f"entry {path!r} delta values are not {d['rows']} rows of {e['nbytes'] // nrows} bytes")
 
     def walk(node: dict[str, Any]) -> None:
         (tag, value), = node.items()
