@@ -4,6 +4,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -172,3 +173,56 @@ def test_inference_tensors_save_with_and_without_trust(repo):
     repo.save("r", 1, {"t": t})
     repo.save("r", 2, {"t": t}, trust_versions=True)
     assert torch.equal(repo.load("r", 2)["t"], torch.ones(100))
+
+
+def test_trusted_unchanged_tensors_are_not_copied(repo):
+    base = {f"w{i}": torch.randn(256, 256) for i in range(4)}
+    adapter = torch.zeros(16, 16)
+    s = {"base": base, "adapter": adapter}
+    repo.save_async("r", 0, s, trust_versions=True).wait()
+    adapter.add_(1.0)
+    handle = repo.save_async("r", 1, s, trust_versions=True)
+    copied = {path for path, _size in repo._buffers._bufs}
+    assert copied == {"adapter"}  # the frozen base is neither copied nor read: its previous chunks are reused
+    adapter.add_(1.0)  # mutate after the call: the checkpoint keeps the value at the call
+    handle.wait()
+    out = repo.load("r", 1)
+    assert torch.equal(out["adapter"], torch.ones(16, 16))
+    assert all(torch.equal(out["base"][k], v) for k, v in base.items())
+
+
+class GatedStore(luopan.store.MemoryStore):
+    """A memory store whose `list` (the first thing a background commit does) waits until the test opens the gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def list(self, prefix):
+        self.gate.wait(10)
+        return super().list(prefix)
+
+
+def _drop_packs(store):
+    for key in store.list("packs/"):
+        store.delete(key)
+
+
+def test_uncopied_tensor_is_read_at_commit_only_if_still_unchanged():
+    store = GatedStore()
+    repo = luopan.open(store)
+    w = torch.randn(64, 64)
+    repo.save("r", 0, {"w": w}, trust_versions=True)
+    _drop_packs(store)  # its previous chunks are gone: the save must read the tensor after all
+    repo.save_async("r", 1, {"w": w}, trust_versions=True).wait()  # unchanged since the call: fine to read now
+    assert torch.equal(repo.load("r", 1)["w"], w)
+
+    _drop_packs(store)
+    store.gate.clear()
+    handle = repo.save_async("r", 2, {"w": w}, trust_versions=True)
+    w.add_(1.0)  # changed after the call, and not copied: the save must fail, never store the new values
+    store.gate.set()
+    with pytest.raises(luopan.LuopanError, match="changed after save_async returned"):
+        handle.wait()
+    assert repo.steps("r") == [0, 1]

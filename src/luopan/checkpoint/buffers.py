@@ -24,13 +24,15 @@ class HostBuffers:
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, int], np.ndarray] = {}
 
-    def freeze(self, leaves: list[Leaf]) -> list[Leaf]:
-        """Copies of ``leaves`` whose bytes are snapshots in the reused buffers (copied on both cores)."""
+    def freeze(self, leaves: list[Leaf], skip: frozenset[int] = frozenset()) -> list[Leaf]:
+        """Copies of ``leaves`` whose bytes are snapshots in the reused buffers (copied on both cores). Leaves in
+        ``skip`` (unchanged by version counter, docs/format.md §5.1) are not copied: the save reuses their previous
+        chunks without reading them."""
         out = []
         used = set()
         copies: list[tuple[np.ndarray, np.ndarray]] = []
-        for leaf in leaves:
-            if leaf.alias_of is not None or leaf.nbytes == 0:
+        for n, leaf in enumerate(leaves):
+            if leaf.alias_of is not None or leaf.nbytes == 0 or n in skip:
                 out.append(leaf)
                 continue
             key = (leaf.path, leaf.nbytes)

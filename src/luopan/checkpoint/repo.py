@@ -247,7 +247,9 @@ class Repo:
         """
         self._drain()
         plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions, touched_rows)
-        plan.leaves = self._buffers.freeze(plan.leaves)  # the only stall: one copy into reused host memory
+        # The only stall: one copy into reused host memory, of what tier 1 cannot vouch for (trust_versions).
+        plan.leaves = self._buffers.freeze(plan.leaves, plan.unchanged)
+        plan.snapshot = True
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "luopan-save")
             _drain_at_exit(self)
@@ -298,7 +300,8 @@ class Repo:
         known = self._chunk_index()
         result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
                                   plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run),
-                                  plan.unchanged, self._tracks.get(plan.run), plan.hints, self.delta_policy)
+                                  plan.unchanged, self._tracks.get(plan.run), plan.hints, self.delta_policy,
+                                  _still_unchanged(plan) if plan.snapshot else None)
         known.update(result.new_locations)
         self._previous[plan.run] = _entries_by_path(result.doc)
         self._tracks[plan.run] = result.tracks
@@ -597,6 +600,17 @@ class _SavePlan:
     versions: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     unchanged: frozenset[int] = frozenset()
     hints: dict[str, Any] = field(default_factory=dict)  # touched rows per table path
+    snapshot: bool = False  # save_async: leaves were copied, except the ones in ``unchanged``
+
+
+def _still_unchanged(plan: _SavePlan) -> Callable[[int], bool]:
+    """For save_async: whether a leaf that was not copied (tier 1 vouched for it) still has the version it had at
+    the call, so reading it now reads the bytes of the call."""
+    def check(i: int) -> bool:
+        leaf = plan.leaves[i]
+        now = _tensor_versions([leaf]).get(0)
+        return now is not None and leaf.path in plan.versions and _same_version(plan.versions[leaf.path], now[1])
+    return check
 
 
 def _tensor_versions(leaves: list[Leaf]) -> dict[int, tuple[str, tuple[Any, ...]]]:

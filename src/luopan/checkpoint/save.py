@@ -9,6 +9,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from collections.abc import Callable
 from typing import Any
 
 import blake3
@@ -17,7 +18,7 @@ import zstandard
 
 from .._crash import crashpoint
 from ..format import BASE_FORMAT_VERSION
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, LuopanError
 from ..format.canonical import seal, sealed_checksum
 from ..format.chunking import chunk_spans
 from ..format.config import RepoConfig
@@ -140,6 +141,7 @@ def write_checkpoint(
     tracks: dict[str, RowTrack] | None = None,
     hints: dict[str, Any] | None = None,
     policy: DeltaPolicy = DeltaPolicy(),
+    still_unchanged: Callable[[int], bool] | None = None,
 ) -> SaveResult:
     """Write the chunks the store lacks, then index, manifest and ref. Returns the committed manifest.
 
@@ -149,7 +151,8 @@ def write_checkpoint(
     bytes equal the previous save's) take the previous entry's chunks (and row delta) without being read at all.
     ``tracks`` (row-delta state per entry path), ``hints`` (touched rows per path) and ``policy`` decide which
     tables are stored as base + changed rows (§5.2). On any failure before the index file is visible, the packs
-    this save wrote are deleted again (nothing can reference them yet).
+    this save wrote are deleted again (nothing can reference them yet). ``still_unchanged`` (save_async) says
+    whether a leaf of ``unchanged`` that was not snapshotted may still be read, should its previous chunks be gone.
     """
     previous = previous or {}
     tracks = tracks or {}
@@ -225,6 +228,11 @@ def write_checkpoint(
         for i, leaf in enumerate(leaves):
             if leaf.alias_of is not None or i in skipped:
                 continue
+            if leaf.frozen is None and still_unchanged is not None and i in unchanged and not still_unchanged(i):
+                raise LuopanError(
+                    f"save_async of run {run!r} step {step}: entry {leaf.path!r} was not copied (its version "
+                    "counter had not moved since the previous save), its previous chunks are no longer in the "
+                    "repository, and it changed after save_async returned; save it again")
             data = leaf.host_bytes()
             mode, spans = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)
             entries[i]["chunking"] = mode
