@@ -364,3 +364,25 @@ def test_cli_show_marks_delta_entries(tmp_path):
     assert r.exit_code == 0, r.output
     entry = json.loads(r.stdout)["entries"][0]
     assert entry["delta"] == {"base_step": 1, "rows": repo.manifest("run", 2).entry("emb")["delta"]["rows"]}
+
+
+def test_rebase_comes_when_another_delta_would_raise_the_average_bytes_per_save(tmp_path):
+    repo = open_repo(tmp_path / "r", luopan.DeltaPolicy(min_bytes=1 << 20, rebase_fraction=0.9))
+    emb = table()
+    row_cost = DIM * 4 + 8
+    repo.save("run", 0, {"emb": emb})
+    written, kinds = [], []
+    for step in range(1, 9):
+        emb[scattered(600, step)] += 1  # ~15% of the rows per save: the cumulative patch grows fast
+        info = repo.save("run", step, {"emb": emb})
+        e = repo.manifest("run", step).entry("emb")
+        kinds.append("delta" in e)
+        written.append(info.new_bytes)
+        assert np.array_equal(repo.load("run", step)["emb"], emb)
+    first_delta = kinds.index(True)
+    rebase = kinds.index(False, first_delta)  # the cap (90%) is never reached: the average rule rebases
+    cycle = written[first_delta - 1 : rebase]  # the base and its deltas
+    patch_rows_at_rebase = len(np.unique(np.concatenate([scattered(600, s) for s in range(first_delta + 1,
+                                                                                          rebase + 2)])))
+    assert patch_rows_at_rebase * row_cost < 0.9 * emb.nbytes
+    assert patch_rows_at_rebase * row_cost * len(cycle) > sum(cycle) - 4096 * len(cycle)  # over the average

@@ -37,7 +37,8 @@ class DeltaPolicy:
 
     ``min_bytes``: tables (tensors with >= 2 dimensions) at least this large are candidates.
     ``rebase_fraction``: the entry is written in full (and becomes the new base) once its patch (values + 8-byte
-    indices) would exceed this fraction of its size; measured in benchmarks (P3) and docs/format.md §5.2.
+    indices) would exceed this fraction of its size (a cap on patch size, hence on load work), or earlier, once
+    another delta would raise the average bytes written per save since the base (docs/format.md §5.2, P3).
     ``enabled=False`` stores every entry as plain chunks.
     """
 
@@ -68,6 +69,8 @@ class RowTrack:
     patch: np.ndarray  # sorted row numbers differing from the base (empty: the entry is stored in full)
     skip: int = 0  # saves left without row detection (backoff after dense updates)
     backoff: int = 0
+    cycle_bytes: int = 0  # bytes written for this entry since (and including) its base
+    cycle_saves: int = 0  # saves since (and including) the base
 
 
 @dataclass
@@ -164,8 +167,12 @@ def plan_table(
         digests[in_changed] = now
     patch = np.union1d(track.patch, touched)
     budget = policy.rebase_fraction * leaf.nbytes
-    if patch.size * (rb + 8) <= budget and base_usable(track.base_chunks):
-        return Decision(RowTrack(full.layout, full.xxh, digests, track.base_step, track.base_chunks, patch),
+    cost = patch.size * (rb + 8)
+    # Rebase when another delta would raise the average bytes per save since the base (the patch is cumulative,
+    # so it only grows; for a growing patch this minimises bytes written), or when it passes the cap.
+    if cost <= budget and cost * track.cycle_saves <= track.cycle_bytes and base_usable(track.base_chunks):
+        return Decision(RowTrack(full.layout, full.xxh, digests, track.base_step, track.base_chunks, patch,
+                                 cycle_bytes=track.cycle_bytes + cost, cycle_saves=track.cycle_saves + 1),
                         xs, _gather(data, patch, rb))
     if touched.size * (rb + 8) > budget:  # dense update: stop looking at rows for a while
         backoff = min(MAX_BACKOFF, max(1, 2 * track.backoff))

@@ -331,7 +331,8 @@ def write_checkpoint(
         if i in decisions:
             track = decisions[i].track
             if i not in deltas:  # stored in full: this version is the base for later deltas
-                track = dataclasses.replace(track, base_step=step, base_chunks=rows[i])
+                track = dataclasses.replace(track, base_step=step, base_chunks=rows[i], cycle_bytes=leaf.nbytes,
+                                            cycle_saves=1)
             new_tracks[leaf.path] = track
         elif i in skipped and leaf.path in tracks:
             new_tracks[leaf.path] = tracks[leaf.path]
