@@ -86,7 +86,7 @@ def timed_save(repo: Any, step: int, state: Any, **kw: Any) -> tuple[float, Any]
 
 
 class Flat:
-    """Flat uint views of a dict of arrays, for changing scattered elements and undoing it."""
+    """Flat (1-D) views of a dict of arrays, for changing scattered elements and undoing it."""
 
     def __init__(self, state: dict[str, np.ndarray]) -> None:
         self.names = list(state)
@@ -125,7 +125,7 @@ class Flat:
             f[local] = old
 
 
-def bench_state(name: str, state: dict[str, np.ndarray], chunk: int, path: str, rng_seed: int,
+def bench_state(state: dict[str, np.ndarray], chunk: int, path: str, rng_seed: int,
                 sparse: float, very_sparse: float, region_bytes: int, with_load: bool) -> dict[str, Any]:
     import luopan
 
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in order:
                 for sname, st in states.items():
                     path = os.path.join(work, f"r{r}-{c}-{sname}")
-                    res = bench_state(sname, st, c, path, 1000 + r, args.sparse_fraction,
+                    res = bench_state(st, c, path, 1000 + r, args.sparse_fraction,
                                       args.very_sparse_fraction, region, with_load=True)
                     shutil.rmtree(path)
                     samples[c][sname].append(res)

@@ -46,12 +46,8 @@ interval saves whose stored_bytes exceed 50% of the table (lazy-tracking first w
 loaded and compared byte for byte (``np.array_equal`` on uint8 views) with what was saved; a mismatch raises.
 The load time of the last step and of step 0 (a full checkpoint) is reported per mode (warm page cache).
 
-**Today's main** (no ``luopan.DeltaPolicy``, no ``touched_rows``): everything runs, all three modes degrade to chunk
-dedup (ratio ~1) and the result says ``row_deltas_available: false``.
-
 Disk: about ``(intervals + 5) * size_mib`` MiB free in ``work`` (the ``off`` repository stores every interval in
-full; the other two store two full tables plus patches); on a luopan without row deltas every repository stores
-every interval in full, so three times that. Everything is removed at the end. Memory: the state plus two copies.
+full; the other two store a few full tables plus patches). Everything is removed at the end. Memory: the state plus two copies.
 
 ``sweep_rebase`` runs the ``auto`` mode for several ``DeltaPolicy.rebase_fraction`` values in lockstep and reports
 the ratio, rewrites, save time and last-step load time for each (used to choose the default; not a goal).

@@ -96,6 +96,10 @@ def torch_dtype_name(dtype: Any) -> str:
 
 
 def _torch_host_bytes(t: Any) -> memoryview:
+    if t.is_cpu and t.dtype in _NUMPY_VIEWABLE and t.is_contiguous() and not t.is_conj() and not t.is_neg() \
+            and t.numel():
+        # the common case: one NumPy view cast to bytes (~2 us; the general path below costs ~5 us per tensor)
+        return memoryview(t.detach().numpy()).cast("B")
     torch = _torch()
     if t.numel() == 0:  # no bytes; and an empty view may have stride 0, which view(uint8) refuses
         return memoryview(b"")
@@ -118,11 +122,16 @@ def _refuse(path: str, what: str, how: str) -> UnsupportedValueError:
     return UnsupportedValueError(f"cannot save {what} at key path {where!r}: {how}")
 
 
+_TORCH_DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> name (str(dtype) costs 0.5 us a call)
+_NUMPY_DTYPE_NAMES: dict[Any, str] = {}  # storable native-order NumPy dtypes seen -> name (dtype.name is Python code)
+
+
 def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
     """(skeleton, leaves). Tensors that are the same object view (tied weights) become aliases of the first."""
     leaves: list[Leaf] = []
     seen: dict[tuple[Any, ...], int] = {}
     torch = _torch()
+    strided = torch.strided if torch is not None else None
     active: set[int] = set()  # container ids on the current path, to refuse cycles
 
     def leaf(path: str, value: Any, kind: str, identity: tuple[Any, ...] | None, **kw: Any) -> dict[str, Any]:
@@ -195,6 +204,12 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         )
 
     def walk_numpy(arr: np.ndarray, path: str, scalar: bool) -> dict[str, Any]:
+        name = _NUMPY_DTYPE_NAMES.get(arr.dtype)
+        if name is not None:  # fast path: a storable native-order dtype seen before
+            identity = None
+            if arr.nbytes and not scalar:
+                identity = ("numpy", arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype.str)
+            return leaf(path, arr, "numpy", identity, dtype=name, shape=arr.shape, nbytes=arr.nbytes, scalar=scalar)
         if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.fields is not None:
             raise _refuse(
                 path,
@@ -203,6 +218,8 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                 "arrays to numbers, or to a list of str",
             )
         dtype = arr.dtype.newbyteorder("=") if arr.dtype.byteorder == ">" else arr.dtype
+        if arr.dtype.byteorder != ">":
+            _NUMPY_DTYPE_NAMES[arr.dtype] = dtype.name
         identity = None
         if arr.nbytes and not scalar:
             identity = ("numpy", arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype.str)
@@ -210,6 +227,19 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                     nbytes=int(arr.nbytes), scalar=scalar)
 
     def walk_torch(t: Any, path: str) -> dict[str, Any]:
+        if t.is_cpu and t.layout is strided and not t.is_quantized and not t.is_nested:
+            # fast path (~5 us vs ~11 us per tensor): cached dtype name; identity by start address instead of the
+            # storage object (same start, shape, strides and dtype on one device = the same view)
+            dt = t.dtype
+            name = _TORCH_DTYPE_NAMES.get(dt)
+            if name is None:
+                name = _TORCH_DTYPE_NAMES[dt] = torch_dtype_name(dt)
+            if name in TORCH_DTYPE_SIZES:
+                shape = tuple(t.shape)
+                nbytes = t.nbytes
+                identity = ("torch", "cpu", t.data_ptr(), shape, t.stride(), dt, t.is_conj(), t.is_neg()) \
+                    if nbytes else None
+                return leaf(path, t, "torch", identity, dtype=name, shape=shape, nbytes=nbytes)
         if t.layout != torch.strided:
             raise _refuse(path, f"a {t.layout} tensor", "convert it with t.to_dense()")
         if t.is_quantized:

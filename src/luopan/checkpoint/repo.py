@@ -632,8 +632,8 @@ def _tensor_versions(leaves: list[Leaf]) -> dict[int, tuple[str, tuple[Any, ...]
             ref = weakref.ref(storage)
         except TypeError:
             continue
-        out[i] = (leaf.path, (ref, t._version, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                              t.dtype, str(t.device), t.is_conj(), t.is_neg()))
+        out[i] = (leaf.path, (ref, t._version, storage.data_ptr(), t.storage_offset(), leaf.shape, t.stride(),
+                              t.dtype, "cpu" if t.is_cpu else str(t.device), t.is_conj(), t.is_neg()))
     return out
 
 

@@ -87,19 +87,25 @@ def layout(leaf: Leaf) -> tuple[Any, ...]:
 
 
 def row_digests(data: memoryview, row_bytes: int, rows: np.ndarray | None = None) -> np.ndarray:
-    """(n, 2) uint64 XXH3-128 digests of the given rows (all rows when None)."""
+    """(n, 2) uint64 XXH3-128 digests of the given sorted rows (all rows when None): ~0.4 us per row here."""
     digest = xxhash.xxh3_128_digest
     if rows is None:
-        joined = b"".join([digest(data[o : o + row_bytes]) for o in range(0, len(data), row_bytes)])
+        offsets: Any = range(0, len(data), row_bytes)
+    elif rows.size and rows[-1] - rows[0] + 1 == rows.size:  # one run of rows (e.g. every row of a table)
+        offsets = range(int(rows[0]) * row_bytes, (int(rows[-1]) + 1) * row_bytes, row_bytes)
     else:
-        joined = b"".join([digest(data[o : o + row_bytes]) for o in (rows * row_bytes).tolist()])
+        offsets = (rows * row_bytes).tolist()
+    joined = b"".join([digest(data[o : o + row_bytes]) for o in offsets])
     return np.frombuffer(joined, dtype=np.uint64).reshape(-1, 2)
 
 
-def rows_in_spans(spans: list[tuple[int, int]], row_bytes: int, nrows: int) -> np.ndarray:
-    """Sorted row numbers overlapping any of the byte spans."""
-    parts = [np.arange(off // row_bytes, min(nrows, -(-(off + length) // row_bytes))) for off, length in spans]
-    return np.unique(np.concatenate(parts)) if parts else _EMPTY
+def rows_in_spans(spans: list[tuple[int, int]], row_bytes: int, nrows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(mask over rows, sorted row numbers) of the rows overlapping any of the byte spans. O(rows), no sort: a
+    hash-based np.unique took 0.34 s for 512K rows."""
+    mask = np.zeros(nrows, dtype=bool)
+    for off, length in spans:
+        mask[off // row_bytes : -(-(off + length) // row_bytes)] = True
+    return mask, np.flatnonzero(mask)
 
 
 def normalise_hint(path: str, rows: Any, nrows: int) -> np.ndarray:
@@ -142,11 +148,11 @@ def plan_table(
         if track.patch.size and not base_usable(track.base_chunks):
             return Decision(full, xs)
         return Decision(track, xs, _gather(data, track.patch, rb) if track.patch.size else None)
-    in_changed = rows_in_spans(changed, rb, nrows)
+    changed_mask, in_changed = rows_in_spans(changed, rb, nrows)
     digests = track.digests
     touched = None
     if hint is not None:
-        touched = np.intersect1d(hint, in_changed, assume_unique=True)
+        touched = hint[changed_mask[hint]]  # rows in unchanged chunks did not change
         if not _covers(changed, touched, rb, nrows):
             touched = None  # a chunk changed without any touched row: the hint is incomplete, look at the rows
         elif digests is not None:

@@ -38,6 +38,8 @@ PACK_WRITES_IN_FLIGHT = 3
 # Chunks below this are hashed on the calling thread: handing a small chunk to a worker costs more than hashing
 # it (a LoRA re-save of 2,000 small tensors spent 0.18 s waiting on worker handoffs).
 INLINE_BYTES = 256 << 10
+# Larger chunks go to a worker up to this many bytes per handoff (fewer handoffs; memory ahead stays bounded).
+GROUP_BYTES = 16 << 20
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -274,8 +276,9 @@ def write_checkpoint(
     pool = ThreadPoolExecutor(WORKERS, "luopan-hash")
     try:
         with pool:
-            for i, h, stored, size, blob_codec, x in ordered_map(pool, work, items(), window=2 * WORKERS,
-                                                                  inline=lambda item: len(item[1]) < INLINE_BYTES):
+            for i, h, stored, size, blob_codec, x in ordered_map(
+                    pool, work, items(), window=2 * WORKERS, inline=lambda item: len(item[1]) < INLINE_BYTES,
+                    group=lambda item: len(item[1]), group_size=GROUP_BYTES):
                 rows[i].append((h, size, x))
                 if h in new:
                     continue
