@@ -86,6 +86,22 @@ class PendingDelta:
         apply_patch(out, pos, *self.decode())
 
 
+def entry_jobs(store: Store, m: Manifest, entry_index: int, dest: memoryview) -> list[Any]:
+    """Read jobs that fill ``dest`` with an entry's bytes. A row delta's index and values are read (and verified)
+    first; each base chunk is then patched by the worker that read it, so applying a delta costs little more than
+    reading the patch."""
+    delta, jobs = delta_jobs(m, entry_index)
+    if delta is None:
+        return [(ref, dest[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)]
+    read_chunks(store, jobs)
+    delta.decode()  # check the row numbers once, before any worker uses them
+
+    def patcher(pos: int) -> Callable[[memoryview], None]:
+        return lambda out: delta.apply(out, pos)
+
+    return [(ref, dest[pos : pos + ref.size], patcher(pos)) for pos, ref in chunk_refs(m, entry_index)]
+
+
 def delta_jobs(m: Manifest, entry_index: int) -> tuple[PendingDelta | None, list[tuple[ChunkRef, memoryview]]]:
     """Buffers and read jobs for an entry's row delta (None, [] when it has none)."""
     d = m.entries[entry_index].get("delta")
@@ -131,20 +147,24 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview) -> None:
         raise IntegrityError(f"hash mismatch: {ref.where()} reads as {actual[:16]}…; the stored bytes are damaged")
 
 
-def read_chunks(store: Store, jobs: list[tuple[ChunkRef, memoryview]], *, via_scratch: bool = False) -> None:
+def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False) -> None:
     """Read and verify many chunks on both cores, each straight into its destination.
 
-    With ``via_scratch`` each chunk is read and verified in scratch memory and only then copied to its
-    destination, so damaged bytes never reach it (for restoring into memory the caller already owns).
+    Jobs are ``(ref, out)`` or ``(ref, out, after)``: ``after(out)`` runs on the worker once the chunk is verified
+    and in place (row deltas patch a base chunk there, while it is in cache). With ``via_scratch`` each chunk is
+    read and verified in scratch memory and only then copied to its destination, so damaged bytes never reach it
+    (for restoring into memory the caller already owns).
     """
-    def one(job: tuple[ChunkRef, memoryview]) -> None:
-        ref, out = job
+    def one(job: tuple[Any, ...]) -> None:
+        ref, out = job[0], job[1]
         if via_scratch:
             tmp = _scratch(ref.size)
             read_chunk(store, ref, tmp)
             out[:] = tmp
         else:
             read_chunk(store, ref, out)
+        if len(job) > 2:
+            job[2](out)
 
     if len(jobs) <= 1:
         for job in jobs:

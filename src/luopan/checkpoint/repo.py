@@ -45,7 +45,7 @@ from ..store.local import TMP_MARK
 from ..tree import Leaf, flatten, new_array, unflatten
 from .buffers import HostBuffers
 from .export import diff_manifests, export_safetensors
-from .read import ChunkRef, all_chunk_refs, check_pack_trailer, chunk_refs, delta_jobs, read_chunks, verify_chunks
+from .read import ChunkRef, all_chunk_refs, check_pack_trailer, entry_jobs, read_chunks, verify_chunks
 from .rowdelta import DeltaPolicy, RowTrack, normalise_hint
 from .save import write_checkpoint
 
@@ -390,22 +390,14 @@ class Repo:
         """The state tree of a checkpoint (latest when ``step`` is None), every chunk verified as it is read."""
         m = self.manifest(run, step)
         objs: list[Any] = [None] * len(m.entries)
-        jobs: list[tuple[ChunkRef, memoryview]] = []
-        patches = []
+        jobs: list[Any] = []
         for i, e in enumerate(m.entries):
             if "alias_of" in e:
                 continue
             obj, view = new_array(e["kind"], e["dtype"], e["shape"])
             objs[i] = obj
-            for pos, ref in chunk_refs(m, i):
-                jobs.append((ref, view[pos : pos + ref.size]))
-            delta, more = delta_jobs(m, i)
-            if delta is not None:
-                jobs += more
-                patches.append((delta, view))
+            jobs += entry_jobs(self.store, m, i, view)  # row deltas: each base chunk patched as it is read
         read_chunks(self.store, jobs)
-        for delta, view in patches:  # row deltas: base bytes first, then the changed rows over them
-            delta.apply(view)
         for i, e in enumerate(m.entries):
             if "alias_of" in e:
                 objs[i] = objs[e["alias_of"]]
@@ -453,23 +445,16 @@ class Repo:
                 + "\n  ".join(problems)
                 + "\nfix the target, or pass strict=False to load only the keys both sides have"
             )
-        jobs: list[tuple[ChunkRef, memoryview]] = []
+        jobs: list[Any] = []
         copies = []
-        patches = []
         for leaf, i in plan:
             dest = _writable_bytes(leaf)
             if dest is None:  # non-contiguous / device / conj target: read fresh, then copy_ into it
                 e = m.entries[i]
                 fresh, dest = new_array(e["kind"], e["dtype"], e["shape"])
                 copies.append((leaf, fresh))
-            jobs += [(ref, dest[pos : pos + ref.size]) for pos, ref in chunk_refs(m, i)]
-            delta, more = delta_jobs(m, i)
-            if delta is not None:
-                jobs += more
-                patches.append((delta, dest))
+            jobs += entry_jobs(self.store, m, i, dest)
         read_chunks(self.store, jobs, via_scratch=True)  # one batch on both cores; verified before copying
-        for delta, dest in patches:
-            delta.apply(dest)
         for leaf, fresh in copies:
             if leaf.kind == "torch":
                 with sys.modules["torch"].no_grad():
