@@ -37,14 +37,15 @@ class DeltaPolicy:
 
     ``min_bytes``: tables (tensors with >= 2 dimensions) at least this large are candidates.
     ``rebase_fraction``: the entry is written in full (and becomes the new base) once its patch (values + 8-byte
-    indices) would exceed this fraction of its size (a cap on patch size, hence on load work), or earlier, once
-    another delta would raise the average bytes written per save since the base (docs/format.md §5.2, P3).
+    indices) would exceed this fraction of its size (a cap on load work: a restore reads base + patch, so 0.08
+    keeps it within ~1.1x of a full checkpoint's), or earlier, once another delta would raise the average bytes
+    written per save since the base (docs/format.md §5.2, benchmarks P3 and P4).
     ``enabled=False`` stores every entry as plain chunks.
     """
 
     enabled: bool = True
     min_bytes: int = 16 << 20
-    rebase_fraction: float = 0.25
+    rebase_fraction: float = 0.08
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_bytes, int) or self.min_bytes < 1:
