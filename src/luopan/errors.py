@@ -56,6 +56,10 @@ class StateMismatchError(LuopanError, ValueError):
     """`load_into` target does not match the checkpoint (keys, shapes, dtypes)."""
 
 
+class LayoutMismatchError(StateMismatchError):
+    """A training state is restored under a different world size or parallel layout than it was saved with."""
+
+
 class UnsupportedFormatError(LuopanError, RuntimeError):
     """The repository or a file in it has a newer format_version than this luopan reads."""
 

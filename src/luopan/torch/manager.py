@@ -1,0 +1,176 @@
+"""CheckpointManager: restore at start, save when a policy says so, check what was written, flush at the end.
+
+    state = TrainingState(model=model, optimizer=opt, scheduler=sched, loader=loader)
+    mgr = CheckpointManager("ckpts", "run-a", state, policy=EveryNSteps(50) | LossSpike())
+    start = mgr.restore()                  # step to start from (0 for a new run)
+    for step in range(start, total):
+        loss = train_one_step(...)
+        mgr.maybe_save(step + 1, metrics={"loss": loss})
+    mgr.close()
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..checkpoint.read import check_pack_trailer, chunk_refs, delta_jobs, read_chunks
+from ..checkpoint.repo import CheckpointInfo, Repo, SaveHandle
+from ..checkpoint.repo import open as open_repo
+from ..errors import IntegrityError
+from ..format.manifest import Manifest
+from ..tree import flatten
+from .state import TrainingState
+
+
+class CheckpointManager:
+    """Checkpointing for a training loop. See the module docstring.
+
+    ``policy``: when to save (luopan.policies; default every 100 steps). ``async_save``: saves return after a host
+    copy and persist in the background (one in flight). ``trust_versions``: skip tensors whose version counter did
+    not move (see Repo.save). After every save the manifest and the pack files it names are checked (sizes and
+    trailer hashes); every ``verify_every`` saves, ``verify_sample`` entries are read back, their hashes checked,
+    and compared byte for byte with what was saved (0 turns this off).
+    """
+
+    def __init__(self, repo: Repo | str | os.PathLike[str], run: str, state: TrainingState, *,
+                 policy: Any = None, async_save: bool = False, trust_versions: bool = False,
+                 verify_every: int = 10, verify_sample: int = 8, config: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from ..policies import EveryNSteps
+
+        self._owns_repo = not isinstance(repo, Repo)
+        self.repo = repo if isinstance(repo, Repo) else open_repo(repo)
+        self.run = run
+        self.state = state
+        self.policy = policy if policy is not None else EveryNSteps(100)
+        self.async_save = async_save
+        self.trust_versions = trust_versions
+        self.verify_every = verify_every
+        self.verify_sample = verify_sample
+        self.config = config
+        self.clock = clock
+        self.saves = 0
+        self.last_saved_step: int | None = None
+        self._pending: tuple[SaveHandle, int, list[Any]] | None = None
+        self._sampler = random.Random(0)  # never the global RNG: checkpointing must not change training's streams
+
+    # -- restore ------------------------------------------------------------------------------------------------
+    def restore(self, step: int | None = None, *, strict: bool = True) -> int:
+        """Restore the latest checkpoint of the run (or ``step``) into the training state; returns its step, or 0
+        when the run has no checkpoint yet. Everything is checked before anything is changed."""
+        if step is None and not self.repo.steps(self.run):
+            return 0
+        m = self.repo.manifest(self.run, step)
+        where = f"run {self.run!r} step {m.step}"
+        self.state.check_layout(m.doc["metadata"], where)
+        tree = self.repo.load(self.run, m.step)
+        self.state.restore(tree, m.doc["metadata"], strict=strict, where=where)
+        self.last_saved_step = m.step
+        return m.step
+
+    # -- saving -------------------------------------------------------------------------------------------------
+    def maybe_save(self, step: int, metrics: dict[str, Any] | None = None, *, force: bool = False
+                   ) -> CheckpointInfo | SaveHandle | None:
+        """Save when the policy says so (or ``force``); returns the CheckpointInfo (SaveHandle when async)."""
+        metrics = dict(metrics or {})
+        reason = "forced" if force else self.policy.should_save(step, _floats(metrics), self.clock())
+        if not reason:
+            return None
+        return self.save(step, metrics, reason=str(reason))
+
+    def save(self, step: int, metrics: dict[str, Any] | None = None, *, reason: str = "explicit"
+             ) -> CheckpointInfo | SaveHandle:
+        self._finish_pending()
+        tree = self.state.capture()
+        metadata = {**self.state.metadata(), "luopan.reason": reason}
+        start = self.clock()
+        out: CheckpointInfo | SaveHandle
+        if self.async_save:
+            out = self.repo.save_async(self.run, step, tree, metrics=metrics, metadata=metadata,
+                                       trust_versions=self.trust_versions)
+            self._pending = (out, step, [])
+        else:
+            out = self.repo.save(self.run, step, tree, metrics=metrics, metadata=metadata,
+                                 trust_versions=self.trust_versions)
+        cost = self.clock() - start
+        self.policy.saved(step, self.clock(), cost)
+        self.saves += 1
+        self.last_saved_step = step
+        if not self.async_save:
+            self._check_saved(step, tree)
+        return out
+
+    def close(self) -> None:
+        """Wait for a background save and check it; close the repository if the manager opened it."""
+        try:
+            self._finish_pending()
+        finally:
+            if self._owns_repo:
+                self.repo.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- checks -------------------------------------------------------------------------------------------------
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        handle, step, _ = self._pending
+        self._pending = None
+        handle.wait()
+        self._check_saved(step, None)
+
+    def _check_saved(self, step: int, tree: Any) -> None:
+        """The cheap check after every save; every ``verify_every`` saves, a read-back of a sample of entries
+        (compared with ``tree`` when the caller still holds the saved values, i.e. synchronous saves)."""
+        m = self.repo.manifest(self.run, step)
+        problems = [p for p in (check_pack_trailer(self.repo.store, pack) for pack in m.packs) if p is not None]
+        for pack in m.packs:
+            size = self.repo.store.size(f"packs/{pack[:2]}/{pack}.pack")
+            need = max((c[2] + c[3] for e in m.entries for c in _all_rows(e) if m.packs[c[1]] == pack), default=0)
+            if size < need:
+                problems.append(IntegrityError(f"pack {pack[:16]}… is {size} bytes, the checkpoint needs {need}"))
+        if problems:
+            raise IntegrityError(f"checkpoint run {self.run!r} step {step} failed its post-save check: "
+                                 + "; ".join(str(p) for p in problems))
+        if self.verify_every and self.saves % self.verify_every == 0:
+            self._read_back(m, tree)
+
+    def _read_back(self, m: Manifest, tree: Any) -> None:
+        candidates = [i for i, e in enumerate(m.entries) if "alias_of" not in e and e["nbytes"]]
+        sample = sorted(self._sampler.sample(candidates, min(self.verify_sample, len(candidates))))
+        live = {leaf.path: leaf for leaf in flatten(tree)[1]} if tree is not None else {}
+        for i in sample:
+            e = m.entries[i]
+            buf = memoryview(bytearray(e["nbytes"]))
+            jobs = [(ref, buf[pos : pos + ref.size]) for pos, ref in chunk_refs(m, i)]
+            delta, more = delta_jobs(m, i)
+            read_chunks(self.repo.store, jobs + more)  # every chunk's hash is checked
+            if delta is not None:
+                delta.apply(buf)
+            leaf = live.get(e["path"])
+            if leaf is not None and bytes(leaf.host_bytes()) != bytes(buf):
+                raise IntegrityError(f"checkpoint run {self.run!r} step {m.step} entry {e['path']!r} reads back "
+                                     "different bytes from those saved")
+
+
+def _all_rows(e: dict[str, Any]) -> list[list[Any]]:
+    d = e.get("delta", {})
+    return e.get("chunks", []) + d.get("index", []) + d.get("values", [])
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        try:
+            out[k] = float(v.item() if hasattr(v, "item") else v)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out
