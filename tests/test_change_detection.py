@@ -67,8 +67,8 @@ def test_crafted_manifest_rows_cannot_poison_a_save(tmp_path):
     repo = luopan.open(tmp_path / "r", chunk_size=64 * 1024)
     repo.save("evil", 1, evil)
     repo.save("r", 1, public)
-    m_evil = unseal(next(repo.store.get(k) for k in repo.store.list("runs/evil/")))
-    key = next(repo.store.list("runs/r/"))
+    m_evil = unseal(next(repo.store.get(k) for k in repo.store.list("runs/evil/ckpt/")))
+    key = next(repo.store.list("runs/r/ckpt/"))
     doc = unseal(repo.store.get(key))
     for row, bad in zip(doc["entries"][0]["chunks"], m_evil["entries"][0]["chunks"]):
         row[0], row[1:6] = bad[0], [0, *bad[2:6]]  # keep the public XXH3, point at the evil chunk

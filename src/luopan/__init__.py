@@ -8,6 +8,7 @@
 
 from .checkpoint.repo import CheckpointInfo, Repo, SaveHandle, VerifyReport, init, open
 from .checkpoint.rowdelta import DeltaPolicy
+from .checkpoint.runrecord import Run
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -47,6 +48,7 @@ __all__ = [
     "MissingPackError",
     "NotARepositoryError",
     "Repo",
+    "Run",
     "SaveHandle",
     "RepoExistsError",
     "RepoNotFoundError",

@@ -47,6 +47,7 @@ from .buffers import HostBuffers
 from .export import diff_manifests, export_safetensors
 from .read import ChunkRef, all_chunk_refs, check_pack_trailer, entry_jobs, read_chunks, verify_chunks
 from .rowdelta import DeltaPolicy, RowTrack, normalise_hint
+from .runrecord import Run
 from .save import write_checkpoint
 
 
@@ -160,6 +161,7 @@ class Repo:
         self._indexes_seen: set[str] = set()
         self._previous: dict[str, dict[str, dict[str, Any]]] = {}  # run -> path -> entry of its last save
         self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
+        self._recorded: set[str] = set()  # runs whose record this process has written or found
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         self._buffers = HostBuffers()
         self._worker: ThreadPoolExecutor | None = None
@@ -296,7 +298,15 @@ class Repo:
         return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
                          {path: rec for path, rec in versions.values()}, unchanged, _hints(touched_rows, leaves))
 
+    def run(self, name: str) -> Run:
+        """A run's record (written by its first save) and eval logs: ``repo.run("a").log_eval(step, metrics,
+        samples=[…])``."""
+        return Run(self, name)
+
     def _commit(self, plan: _SavePlan) -> CheckpointInfo:
+        if plan.run not in self._recorded:  # the run's record, once (docs/format.md §8.1)
+            Run(self, plan.run).write_record()
+            self._recorded.add(plan.run)
         known = self._chunk_index()
         result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
                                   plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run),

@@ -194,12 +194,16 @@ def show(
     step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Show one checkpoint: metadata, environment, code version and every entry."""
+    """Show one checkpoint: metadata, environment, code version and every entry. Without STEP, also the run's
+    record (config, command line, packages, git commit and diff, environment with secrets redacted) and evals."""
     r = _open(repo)
     m = r.manifest(run, step)
     doc = m.doc
+    record = r.run(run).record() if step is None else None
+    evals = r.run(run).evals() if step is None else []
     if as_json:
         _emit_json({"run": m.run, "step": m.step, "created": m.created, "metrics": _json_safe(m.metrics),
+                    **({"record": record, "evals": evals} if step is None else {}),
                     "metadata": doc["metadata"], "environment": doc["environment"], "code": doc.get("code"),
                     "fingerprint": doc["fingerprint"], "stats": doc["stats"], "packs": len(m.packs),
                     "entries": [{k: e[k] for k in ("path", "kind", "dtype", "shape", "nbytes")}
@@ -209,6 +213,8 @@ def show(
                                    if "delta" in e else {}) for e in m.entries]})
         return
     s = doc["stats"]
+    if record is not None:
+        _print_record(record, evals)
     out.print(f"[bold]{m.run}[/] step [bold]{m.step}[/]  created {m.created}")
     if m.metrics:
         out.print(f"metrics      {_metrics_text(m.metrics)}")
@@ -230,6 +236,27 @@ def show(
             chunks += f" + {e['delta']['rows']} rows over step {e['delta']['base_step']}"
         t.add_row(e["path"], e["kind"], e["dtype"], str(tuple(e["shape"])), human(e["nbytes"]), chunks)
     out.print(t)
+
+
+def _print_record(rec: dict[str, Any], evals: list[int]) -> None:
+    out.print(f"[bold]run {rec['run']}[/]  started {rec['created']}")
+    out.print(f"command      {' '.join(rec['argv'])}  (in {rec['cwd']})")
+    out.print(f"python       {rec['python']} on {rec['platform']}")
+    out.print("packages     " + " ".join(f"{k}={v}" for k, v in rec["packages"].items()))
+    git = rec.get("git")
+    if git:
+        diff_lines = git["diff"].count("\n")
+        state = f"dirty: {diff_lines} diff lines recorded" if git["dirty"] else "clean"
+        out.print(f"git          {git['commit'][:12]} ({state}"
+                  + (f", {len(git['untracked_files'])} untracked files" if git["untracked_files"] else "") + ")")
+    if rec.get("config") is not None:
+        out.print("config       " + json.dumps(rec["config"], sort_keys=True))
+    redacted = sorted(k for k, v in rec["environment"].items() if v == "<redacted>")
+    out.print(f"environment  {len(rec['environment'])} variables" + (f" ({', '.join(redacted)} redacted)"
+                                                                    if redacted else ""))
+    if evals:
+        out.print(f"evals        steps {', '.join(map(str, evals))}")
+    out.print("")
 
 
 @app.command()

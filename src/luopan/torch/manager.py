@@ -20,6 +20,7 @@ from typing import Any
 from ..checkpoint.read import check_pack_trailer, chunk_refs, delta_jobs, read_chunks
 from ..checkpoint.repo import CheckpointInfo, Repo, SaveHandle
 from ..checkpoint.repo import open as open_repo
+from ..checkpoint.runrecord import config_json
 from ..errors import IntegrityError
 from ..format.manifest import Manifest
 from ..tree import flatten
@@ -51,11 +52,12 @@ class CheckpointManager:
         self.trust_versions = trust_versions
         self.verify_every = verify_every
         self.verify_sample = verify_sample
-        self.config = config
+        self.config = config_json(config)  # a config that is not JSON is refused now, not at the first save
         self.clock = clock
         self.saves = 0
         self.last_saved_step: int | None = None
         self._pending: tuple[SaveHandle, int, list[Any]] | None = None
+        self._recorded = False
         self._sampler = random.Random(0)  # never the global RNG: checkpointing must not change training's streams
 
     # -- restore ------------------------------------------------------------------------------------------------
@@ -85,6 +87,9 @@ class CheckpointManager:
     def save(self, step: int, metrics: dict[str, Any] | None = None, *, reason: str = "explicit"
              ) -> CheckpointInfo | SaveHandle:
         self._finish_pending()
+        if not self._recorded:  # the run record carries the config; written once, by the run's first save
+            self.repo.run(self.run).write_record(self.config)
+            self._recorded = True
         tree = self.state.capture()
         metadata = {**self.state.metadata(), "luopan.reason": reason}
         start = self.clock()
