@@ -162,6 +162,7 @@ class Repo:
         self._previous: dict[str, dict[str, dict[str, Any]]] = {}  # run -> path -> entry of its last save
         self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
         self._recorded: set[str] = set()  # runs whose record this process has written or found
+        self._intact_packs: dict[str, tuple[int, ...]] = {}  # pack id -> store signature when its trailer checked
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         self._buffers = HostBuffers()
         self._worker: ThreadPoolExecutor | None = None
@@ -311,7 +312,7 @@ class Repo:
         result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
                                   plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run),
                                   plan.unchanged, self._tracks.get(plan.run), plan.hints, self.delta_policy,
-                                  _still_unchanged(plan) if plan.snapshot else None)
+                                  _still_unchanged(plan) if plan.snapshot else None, self._intact_packs)
         known.update(result.new_locations)
         self._previous[plan.run] = _entries_by_path(result.doc)
         self._tracks[plan.run] = result.tracks
@@ -515,6 +516,7 @@ class Repo:
                 problems.append(trailer_problem)
         chunk_problems = verify_chunks(self.store, list(refs.values()), progress)
         problems += chunk_problems
+        self._intact_packs.clear()  # verify re-reads everything; dedup re-checks pack trailers afterwards
         if self._known is not None:  # never deduplicate against a chunk found damaged: the next save rewrites it
             for p in chunk_problems:
                 ref = getattr(p, "chunk", None)

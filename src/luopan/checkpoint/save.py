@@ -71,6 +71,7 @@ class _PackWriter:
 
     store: Store
     pack_size: int
+    intact: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shared with the repo (see reusable())
     builder: PackBuilder = field(default_factory=PackBuilder)
     written: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # pack id -> blob records
     created: list[str] = field(default_factory=list)  # packs this writer created (not ones that already existed)
@@ -103,6 +104,9 @@ class _PackWriter:
         # An existing pack with this id has the same chunks (its id hashes their hashes and layout): keep it.
         if self.store.put_if_absent(pack_key(pack_id), parts):
             self.created.append(pack_id)
+            sig = self.store.signature(pack_key(pack_id))
+            if sig is not None:  # we just wrote it whole: the next save need not re-read its trailer
+                self.intact[pack_id] = sig
 
     def finish(self) -> None:
         """Flush the last pack and wait until every pack is durable; raises the first write error."""
@@ -144,6 +148,7 @@ def write_checkpoint(
     hints: dict[str, Any] | None = None,
     policy: DeltaPolicy = DeltaPolicy(),
     still_unchanged: Callable[[int], bool] | None = None,
+    intact_packs: dict[str, tuple[int, ...]] | None = None,
 ) -> SaveResult:
     """Write the chunks the store lacks, then index, manifest and ref. Returns the committed manifest.
 
@@ -162,7 +167,8 @@ def write_checkpoint(
     chunk_size = config.chunk_size
     codec = config.compression.codec
     level = config.compression.level
-    writer = _PackWriter(store, config.pack_size)
+    intact_packs = {} if intact_packs is None else intact_packs  # pack id -> signature when found intact
+    writer = _PackWriter(store, config.pack_size, intact_packs)
     # hash -> (builder, offset, stored length, raw size, codec) for chunks this save adds
     new: dict[str, tuple[PackBuilder, int, int, int, str]] = {}
     entries: list[dict[str, Any]] = []
@@ -193,13 +199,24 @@ def write_checkpoint(
     def reusable(loc: BlobLocation) -> bool:
         """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
         once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
-        and saving again repairs it."""
+        and saving again repairs it. A pack this process already found intact is not re-read while its
+        filesystem signature (size, inode, mtime, ctime) is unchanged: one stat instead of three reads."""
         if loc.pack not in pack_sizes:
+            key = pack_key(loc.pack)
             try:
-                intact = check_pack_trailer(store, loc.pack) is None
-                pack_sizes[loc.pack] = store.size(pack_key(loc.pack)) if intact else -1
+                sig = store.signature(key)
+                if sig is not None and intact_packs.get(loc.pack) == sig:
+                    pack_sizes[loc.pack] = sig[0]
+                elif check_pack_trailer(store, loc.pack) is None:
+                    pack_sizes[loc.pack] = store.size(key)
+                    if sig is not None:
+                        intact_packs[loc.pack] = sig
+                else:
+                    pack_sizes[loc.pack] = -1
             except KeyNotFound:
                 pack_sizes[loc.pack] = -1
+            if pack_sizes[loc.pack] < 0:
+                intact_packs.pop(loc.pack, None)
         return pack_sizes[loc.pack] >= loc.offset + loc.length
 
     def usable(chunks: list[tuple[str, int, str]]) -> bool:

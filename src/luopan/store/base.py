@@ -73,5 +73,10 @@ class Store(abc.ABC):
         """Remove temporaries left by dead writers; returns how many. Backends without temporaries do nothing."""
         return 0
 
+    def signature(self, key: str) -> tuple[int, ...] | None:
+        """Something that changes whenever the object is replaced, truncated or rewritten through the filesystem
+        (size first), or None when the backend cannot say (then callers do not cache checks of it)."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__

@@ -241,6 +241,13 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise KeyNotFound(key) from None
 
+    def signature(self, key: str) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self._path(key))
+        except FileNotFoundError:
+            raise KeyNotFound(key) from None
+        return (st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns)
+
     # -- conveniences -------------------------------------------------------------------------------------------
     def cleanup_temporaries(self) -> int:
         """Remove temp files whose writer is gone: ones whose flock can be taken (a live writer holds it until its
