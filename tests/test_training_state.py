@@ -210,3 +210,24 @@ def test_checkpointing_does_not_touch_the_global_rngs(tmp_path):
     mgr.maybe_save(1)  # save, post-save check and sampled read-back
     assert draws() == expected
     mgr.close()
+
+
+def test_policy_memory_survives_a_resume(tmp_path):
+    from luopan.policies import LossSpike
+
+    model, opt, sched = setup()
+    policy = EveryNSteps(5) | LossSpike(window=20, min_history=3)
+    mgr = CheckpointManager(tmp_path / "r", "run", TrainingState(model=model), policy=policy)
+    for s in range(1, 11):
+        mgr.maybe_save(s, {"loss": 1.0 + 0.01 * s})
+    saved = policy.state_dict()
+    mgr.close()
+    fresh = EveryNSteps(5) | LossSpike(window=20, min_history=3)
+    mgr2 = CheckpointManager(tmp_path / "r", "run", TrainingState(model=model), policy=fresh)
+    assert mgr2.restore() == 10
+    assert fresh.state_dict() == saved
+    mgr2.close()
+    other = CheckpointManager(tmp_path / "r", "run", TrainingState(model=model), policy=EveryNSteps(7))
+    with pytest.warns(UserWarning, match="save policy's state was not restored"):
+        other.restore()
+    other.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,13 @@ class CheckpointManager:
         self.state.check_layout(m.doc["metadata"], where)
         tree = self.repo.load(self.run, m.step)
         self.state.restore(tree, m.doc["metadata"], strict=strict, where=where)
+        saved_policy = m.doc["metadata"].get("luopan.policy")
+        if saved_policy is not None and callable(getattr(self.policy, "load_state_dict", None)):
+            try:
+                self.policy.load_state_dict(saved_policy)
+            except (ValueError, KeyError, TypeError) as exc:  # another policy than the run saved with: start fresh
+                warnings.warn(f"{where}: the save policy's state was not restored ({exc}); it starts fresh",
+                              stacklevel=2)
         self.last_saved_step = m.step
         return m.step
 
@@ -92,6 +100,8 @@ class CheckpointManager:
             self._recorded = True
         tree = self.state.capture()
         metadata = {**self.state.metadata(), "luopan.reason": reason}
+        if callable(getattr(self.policy, "state_dict", None)):  # moving windows etc. survive a resume
+            metadata["luopan.policy"] = self.policy.state_dict()
         start = self.clock()
         out: CheckpointInfo | SaveHandle
         if self.async_save:
