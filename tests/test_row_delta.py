@@ -386,3 +386,33 @@ def test_rebase_comes_when_another_delta_would_raise_the_average_bytes_per_save(
                                                                                           rebase + 2)])))
     assert patch_rows_at_rebase * row_cost < 0.9 * emb.nbytes
     assert patch_rows_at_rebase * row_cost * len(cycle) > sum(cycle) - 4096 * len(cycle)  # over the average
+
+
+def test_a_row_a_hint_missed_is_caught_by_the_next_save_without_hint(tmp_path):
+    repo = open_repo(tmp_path / "r")
+    emb = table()
+    for step in range(2):  # step 1: the first change is stored in full and row tracking starts
+        emb[scattered(10, step)] += 1
+        repo.save("run", step, {"emb": emb})
+    emb[100] += 1
+    emb[101] += 1  # same row block and chunk as row 100, left out of the hint
+    repo.save("run", 2, {"emb": emb}, touched_rows={"emb": [100]})
+    emb[3000] += 1
+    repo.save("run", 3, {"emb": emb})  # no hint: the block the hint updated is re-examined row by row
+    e = repo.manifest("run", 3).entry("emb")
+    assert e["delta"]["rows"] == 3
+    assert np.array_equal(repo.load("run", 3)["emb"], emb)
+
+
+def test_block_level_detection_finds_single_changed_rows(tmp_path):
+    from luopan.checkpoint.rowdelta import RowDigests
+
+    rng = np.random.default_rng(0)
+    for row_bytes in (8, 100, 256, 4096, 5000):
+        data = bytearray(rng.integers(0, 256, 64 * row_bytes, dtype=np.uint8).tobytes())
+        d = RowDigests.of(memoryview(data), row_bytes)
+        for r in (0, 17, 63):
+            data[r * row_bytes + row_bytes // 2] ^= 1
+        touched, d2 = d.detect(memoryview(data), row_bytes, np.arange(64))
+        assert touched.tolist() == [0, 17, 63], row_bytes
+        assert d2.detect(memoryview(data), row_bytes, np.arange(64))[0].size == 0
