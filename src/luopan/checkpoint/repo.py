@@ -220,9 +220,10 @@ class Repo:
         Large tables (``repo.delta_policy``) whose rows change sparsely are stored as a row delta against an
         earlier full version (docs/format.md §5.2); changed rows are found automatically. ``touched_rows={"emb.weight":
         ids}`` (key paths as in ``luopan show``) names the rows the training loop changed since the previous save
-        of this run and skips that detection; a hint that misses a changed row in a chunk that also holds a
-        touched row stores that row stale, so pass every row the optimizer wrote (a chunk that changed without any
-        touched row is detected and handled without the hint).
+        of this run and skips that detection. A hint that misses a changed row in a chunk that also holds a
+        touched row stores that row stale in this checkpoint (the next save without a hint stores it), so pass
+        every row the optimizer wrote; a chunk that changed without any touched row is detected and handled
+        without the hint.
         """
         self._drain()
         return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions,
