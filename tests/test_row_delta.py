@@ -416,3 +416,34 @@ def test_block_level_detection_finds_single_changed_rows(tmp_path):
         touched, d2 = d.detect(memoryview(data), row_bytes, np.arange(64))
         assert touched.tolist() == [0, 17, 63], row_bytes
         assert d2.detect(memoryview(data), row_bytes, np.arange(64))[0].size == 0
+
+
+def test_content_back_at_its_base_never_makes_an_empty_delta(tmp_path):
+    """Found in review: after a hinted rebase, a save with nothing changed wrote a 0-row delta that no reader
+    accepts. Content equal to its base is stored plainly."""
+    repo = luopan.open(tmp_path / "r", delta_policy=luopan.DeltaPolicy(min_bytes=1))
+    emb = np.zeros((1000, 64), np.float32)
+    repo.save("r", 1, {"emb": emb})
+    emb[0:10] += 1
+    repo.save("r", 2, {"emb": emb})
+    emb[10:60] += 1
+    repo.save("r", 3, {"emb": emb}, touched_rows={"emb": np.arange(10, 60)})
+    emb[60:90] += 1
+    repo.save("r", 4, {"emb": emb}, touched_rows={"emb": np.arange(60, 90)})
+    repo.save("r", 5, {"emb": emb})
+    for s in (4, 5):
+        assert np.array_equal(luopan.open(tmp_path / "r").load("r", s)["emb"], emb)
+    assert repo.manifest("r", 5).entry("emb").get("delta", {"rows": 1})["rows"] >= 1
+
+
+def test_an_alias_with_a_delta_is_refused(tmp_path):
+    root = tmp_path / "r"
+    repo = open_repo(root)
+    emb = table()
+    for step in range(3):
+        emb[scattered(10, step)] += 1
+        repo.save("run", step, {"emb": emb, "tied": emb})
+    delta = repo.manifest("run", 2).entry("emb")["delta"]
+    _reseal(root, 2, lambda doc: doc["entries"][1].update(delta=delta))
+    with pytest.raises(luopan.CorruptManifestError, match="is an alias and cannot have a row delta"):
+        luopan.open(root).load("run", 2)

@@ -103,3 +103,30 @@ def test_cli_show_prints_the_record(tmp_path, dirty_worktree, monkeypatch):
     assert j["record"]["git"]["dirty"] and j["evals"] == [1]
     j1 = json.loads(CliRunner().invoke(app, ["show", "-r", str(tmp_path / "r"), "a", "1", "--json"]).stdout)
     assert "record" not in j1
+
+
+def test_credentials_in_urls_and_secret_flags_are_redacted(tmp_path, monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgres://admin:hunter2@db:5432/x")
+    monkeypatch.setenv("LUOPAN_TEST_INDEX", "https://user:tok123@mirror.example/simple")
+    monkeypatch.setattr(sys, "argv", ["train.py", "--hf_token", "hf_abc", "--api-key=sk-1", "--lr", "0.1",
+                                      "--data", "s3://AKIA:secret@bucket/x"])
+    monkeypatch.chdir(tmp_path)  # outside a git work tree (a diff of this test file would hold the strings)
+    repo = luopan.open(tmp_path / "r")
+    repo.save("a", 1, {"w": np.ones(2)})
+    rec = repo.run("a").record()
+    assert rec["git"] is None
+    text = json.dumps(rec)
+    for secret in ("hunter2", "tok123", "hf_abc", "sk-1", "AKIA:secret"):
+        assert secret not in text, secret
+    assert rec["argv"] == ["train.py", "--hf_token", "<redacted>", "--api-key=<redacted>", "--lr", "0.1",
+                           "--data", "s3://<redacted>@bucket/x"]
+    assert rec["environment"]["DATABASE_URL"] == "postgres://<redacted>@db:5432/x"
+
+
+def test_undecodable_bytes_never_fail_a_save(tmp_path, dirty_worktree, monkeypatch):
+    (dirty_worktree / "train.py").write_bytes(b"lr = 0.3  # caf\xe9 in Latin-1\n")
+    monkeypatch.setenv("LUOPAN_TEST_BYTES", b"\xff\xfe".decode("utf-8", "surrogateescape"))
+    repo = luopan.open(tmp_path / "r")
+    repo.save("a", 1, {"w": np.ones(2)})
+    rec = repo.run("a").record()
+    assert "caf" in rec["git"]["diff"] and rec["environment"]["LUOPAN_TEST_BYTES"] == "\ufffd\ufffd"

@@ -231,3 +231,38 @@ def test_policy_memory_survives_a_resume(tmp_path):
     with pytest.warns(UserWarning, match="save policy's state was not restored"):
         other.restore()
     other.close()
+
+
+def test_a_failed_async_save_is_not_booked_as_saved():
+    from .test_commit_failures import FaultyStore
+
+    store = FaultyStore()
+    model, opt, sched = setup()
+    mgr = CheckpointManager(luopan.open(store), "run", TrainingState(model=model), policy=EveryNSteps(1),
+                            async_save=True)
+    mgr.maybe_save(1)
+    mgr._finish_pending()
+    assert mgr.last_saved_step == 1
+    store.prefix = "packs/"
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    mgr.maybe_save(2)  # fails in the background
+    with pytest.raises(OSError, match="injected I/O error"):
+        mgr.maybe_save(3)  # the failure surfaces here, before anything else happens
+    assert mgr.last_saved_step == 1 and mgr.saves == 1
+    store.prefix = None
+    mgr.maybe_save(3)
+    mgr.close()
+    assert mgr.last_saved_step == 3 and mgr.repo.steps("run") == [1, 3]
+
+
+def test_optimizer_state_of_other_shapes_is_not_refused(repo):
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)  # row/column variances: not the parameter's shape
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    repo.save("r", 1, TrainingState(model=model, optimizer=opt).capture())
+    model2 = torch.nn.Linear(8, 4)
+    opt2 = torch.optim.Adafactor(model2.parameters(), lr=1e-2)
+    TrainingState(model=model2, optimizer=opt2).restore(repo.load("r", 1))
+    assert torch.equal(opt2.state_dict()["state"][0]["row_var"], opt.state_dict()["state"][0]["row_var"])

@@ -48,7 +48,7 @@ from .export import diff_manifests, export_safetensors
 from .read import ChunkRef, all_chunk_refs, check_pack_trailer, entry_jobs, read_chunks, verify_chunks
 from .rowdelta import DeltaPolicy, RowTrack, normalise_hint
 from .runrecord import Run
-from .save import write_checkpoint
+from .save import PackChecker, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,14 @@ class Repo:
         """
         self._drain()
         plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions, touched_rows)
-        # The only stall: one copy into reused host memory, of what tier 1 cannot vouch for (trust_versions).
+        # The only stall: one copy into reused host memory of everything tier 1 (trust_versions) cannot reuse for
+        # certain. Reusability is decided now, while the caller waits: the background save never reads live state.
+        if plan.unchanged:
+            checker = PackChecker(self.store, self._intact_packs)
+            known = self._chunk_index()
+            previous = self._previous_rows(run)
+            plan.unchanged = frozenset(i for i in plan.unchanged
+                                       if checker.entry_reusable(previous.get(plan.leaves[i].path), known))
         plan.leaves = self._buffers.freeze(plan.leaves, plan.unchanged)
         plan.snapshot = True
         if self._worker is None:
@@ -307,13 +314,16 @@ class Repo:
 
     def _commit(self, plan: _SavePlan) -> CheckpointInfo:
         if plan.run not in self._recorded:  # the run's record, once (docs/format.md §8.1)
-            Run(self, plan.run).write_record()
+            try:
+                Run(self, plan.run).write_record()
+            except (OSError, ValueError, LuopanError) as exc:  # a record is context: never fail the save for it
+                warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
             self._recorded.add(plan.run)
         known = self._chunk_index()
         result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
                                   plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run),
                                   plan.unchanged, self._tracks.get(plan.run), plan.hints, self.delta_policy,
-                                  _still_unchanged(plan) if plan.snapshot else None, self._intact_packs)
+                                  plan.snapshot, self._intact_packs)
         known.update(result.new_locations)
         self._previous[plan.run] = _entries_by_path(result.doc)
         self._tracks[plan.run] = result.tracks
@@ -600,15 +610,6 @@ class _SavePlan:
     hints: dict[str, Any] = field(default_factory=dict)  # touched rows per table path
     snapshot: bool = False  # save_async: leaves were copied, except the ones in ``unchanged``
 
-
-def _still_unchanged(plan: _SavePlan) -> Callable[[int], bool]:
-    """For save_async: whether a leaf that was not copied (tier 1 vouched for it) still has the version it had at
-    the call, so reading it now reads the bytes of the call."""
-    def check(i: int) -> bool:
-        leaf = plan.leaves[i]
-        now = _tensor_versions([leaf]).get(0)
-        return now is not None and leaf.path in plan.versions and _same_version(plan.versions[leaf.path], now[1])
-    return check
 
 
 def _tensor_versions(leaves: list[Leaf]) -> dict[int, tuple[str, tuple[Any, ...]]]:

@@ -234,6 +234,8 @@ def plan_table(
                                      0, track.backoff), xs)
         touched, digests = digests.detect(data, rb, in_changed)
     patch = np.union1d(track.patch, touched)
+    if patch.size == 0:  # the content is the base's again: store it plainly (its chunks deduplicate)
+        return Decision(RowTrack(full.layout, xxh_track, digests, step, None, _EMPTY), xs)
     budget = policy.rebase_fraction * leaf.nbytes
     cost = patch.size * (rb + 8)
     # Rebase when another delta would raise the average bytes per save since the base (the patch is cumulative,

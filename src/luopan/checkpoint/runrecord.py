@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import platform
 import subprocess
 import sys
@@ -38,18 +39,52 @@ def eval_key(run: str, step: int) -> str:
     return f"runs/{run}/evals/{step:08d}.json"
 
 
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_SECRET_FLAG = re.compile(r"^--?[\w.-]*(" + "|".join(SECRET_MARKERS) + r")[\w.-]*(=|$)", re.IGNORECASE)
+
+
+def _text(value: str) -> str:
+    """A str that encodes as UTF-8 (undecodable bytes from the OS arrive as surrogates)."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _scrub(value: str) -> str:
+    """Credentials inside a value: the user:password@ of URLs."""
+    return _URL_USERINFO.sub("<redacted>@", _text(value))
+
+
 def redacted_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment with the value of every variable whose name contains a secret marker replaced."""
+    """The environment with the value of every variable whose name contains a secret marker replaced, and the
+    credentials of URLs in the others (DATABASE_URL, index URLs with user:token@)."""
     env = os.environ if environ is None else environ
-    return {k: ("<redacted>" if any(m in k.upper() for m in SECRET_MARKERS) else v) for k, v in sorted(env.items())}
+    return {_text(k): ("<redacted>" if any(m in k.upper() for m in SECRET_MARKERS) else _scrub(v))
+            for k, v in sorted(env.items())}
+
+
+def redacted_argv(argv: list[str]) -> list[str]:
+    """argv with the values of secret-looking flags (--hf_token X, --api-key=X) and URL credentials redacted."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+            continue
+        m = _SECRET_FLAG.match(arg)
+        if m and m.group(2) == "=":
+            out.append(arg.split("=", 1)[0] + "=<redacted>")
+        else:
+            out.append(_scrub(arg))
+            hide_next = bool(m)
+    return out
 
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["git", *args], capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout if out.returncode == 0 else None
+    return out.stdout.decode("utf-8", "replace") if out.returncode == 0 else None  # diffs may hold any bytes
 
 
 def git_state() -> dict[str, Any] | None:
@@ -97,8 +132,8 @@ def build_record(run: str, config: dict[str, Any] | None) -> dict[str, Any]:
         "run": run,
         "created": datetime.now(timezone.utc).isoformat(),
         "config": config_copy,
-        "argv": list(sys.argv),
-        "cwd": os.getcwd(),
+        "argv": redacted_argv(list(sys.argv)),
+        "cwd": _text(os.getcwd()),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": packages(),

@@ -131,6 +131,47 @@ class _PackWriter:
                 pass
 
 
+class PackChecker:
+    """Which stored chunks a save may deduplicate against (docs/format.md §10: never a missing or damaged one)."""
+
+    def __init__(self, store: Store, intact: dict[str, tuple[int, ...]]) -> None:
+        self.store = store
+        self.intact = intact  # pack id -> filesystem signature when found intact (shared across saves)
+        self.sizes: dict[str, int] = {}  # this save's verdicts: pack size, or -1
+
+    def reusable(self, loc: BlobLocation) -> bool:
+        """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
+        once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
+        and saving again repairs it. A pack this process already found intact (or wrote) is not re-read while its
+        filesystem signature (size, inode, mtime, ctime) is unchanged: one stat instead of three reads."""
+        sizes = self.sizes
+        if loc.pack not in sizes:
+            key = pack_key(loc.pack)
+            try:
+                sig = self.store.signature(key)
+                if sig is not None and self.intact.get(loc.pack) == sig:
+                    sizes[loc.pack] = sig[0]
+                elif check_pack_trailer(self.store, loc.pack) is None:
+                    sizes[loc.pack] = self.store.size(key)
+                    if sig is not None:
+                        self.intact[loc.pack] = sig
+                else:
+                    sizes[loc.pack] = -1
+            except KeyNotFound:
+                sizes[loc.pack] = -1
+            if sizes[loc.pack] < 0:
+                self.intact.pop(loc.pack, None)
+        return sizes[loc.pack] >= loc.offset + loc.length
+
+    def entry_reusable(self, entry: dict[str, Any] | None, known: dict[str, BlobLocation]) -> bool:
+        """Whether every chunk of a previous manifest entry (and of its row delta) can be referenced again."""
+        if not entry or "chunks" not in entry:
+            return False
+        d = entry.get("delta", {})
+        rows = entry["chunks"] + d.get("index", []) + d.get("values", [])
+        return all(r[0] in known and self.reusable(known[r[0]]) for r in rows)
+
+
 def write_checkpoint(
     store: Store,
     config: RepoConfig,
@@ -147,7 +188,7 @@ def write_checkpoint(
     tracks: dict[str, RowTrack] | None = None,
     hints: dict[str, Any] | None = None,
     policy: DeltaPolicy = DeltaPolicy(),
-    still_unchanged: Callable[[int], bool] | None = None,
+    snapshot: bool = False,
     intact_packs: dict[str, tuple[int, ...]] | None = None,
 ) -> SaveResult:
     """Write the chunks the store lacks, then index, manifest and ref. Returns the committed manifest.
@@ -158,8 +199,8 @@ def write_checkpoint(
     bytes equal the previous save's) take the previous entry's chunks (and row delta) without being read at all.
     ``tracks`` (row-delta state per entry path), ``hints`` (touched rows per path) and ``policy`` decide which
     tables are stored as base + changed rows (§5.2). On any failure before the index file is visible, the packs
-    this save wrote are deleted again (nothing can reference them yet). ``still_unchanged`` (save_async) says
-    whether a leaf of ``unchanged`` that was not snapshotted may still be read, should its previous chunks be gone.
+    this save wrote are deleted again (nothing can reference them yet). With ``snapshot`` (save_async) the
+    leaves of ``unchanged`` were not copied and must not be read: if their previous chunks are gone, the save fails.
     """
     previous = previous or {}
     tracks = tracks or {}
@@ -194,30 +235,8 @@ def write_checkpoint(
         return len(rows) - 1
 
     index_name = None
-    pack_sizes: dict[str, int] = {}
-
-    def reusable(loc: BlobLocation) -> bool:
-        """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
-        once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
-        and saving again repairs it. A pack this process already found intact is not re-read while its
-        filesystem signature (size, inode, mtime, ctime) is unchanged: one stat instead of three reads."""
-        if loc.pack not in pack_sizes:
-            key = pack_key(loc.pack)
-            try:
-                sig = store.signature(key)
-                if sig is not None and intact_packs.get(loc.pack) == sig:
-                    pack_sizes[loc.pack] = sig[0]
-                elif check_pack_trailer(store, loc.pack) is None:
-                    pack_sizes[loc.pack] = store.size(key)
-                    if sig is not None:
-                        intact_packs[loc.pack] = sig
-                else:
-                    pack_sizes[loc.pack] = -1
-            except KeyNotFound:
-                pack_sizes[loc.pack] = -1
-            if pack_sizes[loc.pack] < 0:
-                intact_packs.pop(loc.pack, None)
-        return pack_sizes[loc.pack] >= loc.offset + loc.length
+    checker = PackChecker(store, intact_packs)
+    reusable = checker.reusable
 
     def usable(chunks: list[tuple[str, int, str]]) -> bool:
         return all(h in known and reusable(known[h]) for h, _size, _x in chunks)
@@ -247,11 +266,11 @@ def write_checkpoint(
         for i, leaf in enumerate(leaves):
             if leaf.alias_of is not None or i in skipped:
                 continue
-            if leaf.frozen is None and still_unchanged is not None and i in unchanged and not still_unchanged(i):
+            if leaf.frozen is None and snapshot and i in unchanged:
                 raise LuopanError(
                     f"save_async of run {run!r} step {step}: entry {leaf.path!r} was not copied (its version "
-                    "counter had not moved since the previous save), its previous chunks are no longer in the "
-                    "repository, and it changed after save_async returned; save it again")
+                    "counter had not moved and its previous chunks were there when save_async was called), but "
+                    "those chunks disappeared before the save could reference them; save again")
             data = leaf.host_bytes()
             mode, spans = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)
             entries[i]["chunking"] = mode
@@ -260,7 +279,7 @@ def write_checkpoint(
                 dec = decisions[i] = plan_table(leaf, data, spans, step, tracks.get(leaf.path),
                                                 hints.get(leaf.path), policy, usable, pool)
                 if dec.delta is not None:  # base chunks (already stored) + changed rows
-                    assert dec.track.base_chunks is not None
+                    assert dec.track.base_chunks is not None and dec.delta[0].size > 0
                     index, values = dec.delta
                     rows[i] = list(dec.track.base_chunks)
                     it, vt = target(), target()

@@ -163,6 +163,8 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
                 raise bad(f"entry {path!r} aliases an invalid entry {j}")
             if any(entries[j][k] != e[k] for k in ("kind", "dtype", "shape", "nbytes")):
                 raise bad(f"entry {path!r} aliases entry {entries[j]['path']!r} of a different type or shape")
+            if "delta" in e:
+                raise bad(f"entry {path!r} is an alias and cannot have a row delta")
             continue
         total = chunk_bytes(e["chunks"], npacks, path, bad)
         if total != e["nbytes"]:

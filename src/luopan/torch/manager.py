@@ -57,7 +57,7 @@ class CheckpointManager:
         self.clock = clock
         self.saves = 0
         self.last_saved_step: int | None = None
-        self._pending: tuple[SaveHandle, int, list[Any]] | None = None
+        self._pending: tuple[SaveHandle, int, float] | None = None
         self._recorded = False
         self._sampler = random.Random(0)  # never the global RNG: checkpointing must not change training's streams
 
@@ -96,7 +96,10 @@ class CheckpointManager:
              ) -> CheckpointInfo | SaveHandle:
         self._finish_pending()
         if not self._recorded:  # the run record carries the config; written once, by the run's first save
-            self.repo.run(self.run).write_record(self.config)
+            try:
+                self.repo.run(self.run).write_record(self.config)
+            except (OSError, ValueError) as exc:  # context, not state: never fail the save for it
+                warnings.warn(f"run {self.run!r}: the run record could not be written ({exc})", stacklevel=2)
             self._recorded = True
         tree = self.state.capture()
         metadata = {**self.state.metadata(), "luopan.reason": reason}
@@ -107,17 +110,19 @@ class CheckpointManager:
         if self.async_save:
             out = self.repo.save_async(self.run, step, tree, metrics=metrics, metadata=metadata,
                                        trust_versions=self.trust_versions)
-            self._pending = (out, step, [])
-        else:
-            out = self.repo.save(self.run, step, tree, metrics=metrics, metadata=metadata,
-                                 trust_versions=self.trust_versions)
-        cost = self.clock() - start
+            self._pending = (out, step, self.clock() - start)  # booked once it is committed (_finish_pending)
+            return out
+        out = self.repo.save(self.run, step, tree, metrics=metrics, metadata=metadata,
+                             trust_versions=self.trust_versions)
+        self._booked(step, self.clock() - start)
+        self._check_saved(step, tree)
+        return out
+
+    def _booked(self, step: int, cost: float) -> None:
+        """A committed save: the policy learns its cost (the time the loop was blocked)."""
         self.policy.saved(step, self.clock(), cost)
         self.saves += 1
         self.last_saved_step = step
-        if not self.async_save:
-            self._check_saved(step, tree)
-        return out
 
     def close(self) -> None:
         """Wait for a background save and check it; close the repository if the manager opened it."""
@@ -137,9 +142,10 @@ class CheckpointManager:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        handle, step, _ = self._pending
+        handle, step, cost = self._pending
         self._pending = None
-        handle.wait()
+        handle.wait()  # a failed background save raises here: not booked, so last_saved_step stays true
+        self._booked(step, cost)
         self._check_saved(step, None)
 
     def _check_saved(self, step: int, tree: Any) -> None:

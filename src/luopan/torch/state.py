@@ -23,6 +23,10 @@ from ..errors import LayoutMismatchError, StateMismatchError, UnsupportedValueEr
 from ..tree import flatten
 
 RESERVED = ("rng", "generators", "extras")
+# Optimizer state that has its parameter's shape in torch's optimizers (others, e.g. Adafactor's row/column
+# variances or LBFGS's flat buffers, have their own shapes and are left to load_state_dict).
+PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+                          "sum", "exp_inf", "ax", "grad_avg", "prev"})
 
 
 def _world() -> dict[str, int]:
@@ -192,7 +196,7 @@ def _optimizer_problems(opt: torch.optim.Optimizer, saved: Any) -> list[str]:
             out.append(f"state for parameter #{pid}, which no parameter group lists")
             continue
         for key, value in (st.items() if isinstance(st, Mapping) else []):
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(p.shape):
+            if key in PARAM_SHAPED and isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(p.shape):
                 out.append(f"state[{pid}][{key!r}] has shape {tuple(value.shape)}, its parameter {tuple(p.shape)}")
     return out
 
