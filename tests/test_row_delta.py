@@ -27,6 +27,13 @@ def scattered(n, seed):
     return np.random.default_rng(seed).choice(ROWS, n, replace=False)
 
 
+def sparse_saves(repo, emb, steps=3, **extra):
+    """Saves 0..steps-1 of run "run", 10 scattered rows of ``emb`` changed before each: the last ones are deltas."""
+    for step in range(steps):
+        emb[scattered(10, step)] += 1
+        repo.save("run", step, {"emb": emb, **extra})
+
+
 def manifest_json(root, run, step):
     with open(os.path.join(root, "runs", run, "ckpt", f"{step:08d}.json"), "rb") as f:
         return unseal(f.read())
@@ -260,9 +267,7 @@ def test_lying_delta_manifests_are_refused(tmp_path, edit, message):
     root = tmp_path / "r"
     repo = open_repo(root)
     emb = table()
-    for step in range(3):
-        emb[scattered(10, step)] += 1
-        repo.save("run", step, {"emb": emb})
+    sparse_saves(repo, emb)
     _reseal(root, 2, lambda doc: edit(doc["entries"][0], doc["entries"][0]["delta"]))
     reader = luopan.open(root)
     with pytest.raises(luopan.CorruptManifestError, match=message):
@@ -273,9 +278,7 @@ def test_delta_in_a_version_1_manifest_is_refused(tmp_path):
     root = tmp_path / "r"
     repo = open_repo(root)
     emb = table()
-    for step in range(3):
-        emb[scattered(10, step)] += 1
-        repo.save("run", step, {"emb": emb})
+    sparse_saves(repo, emb)
     _reseal(root, 2, lambda doc: doc.update(format_version=1))
     with pytest.raises(luopan.CorruptManifestError, match="format_version 1 lacks"):
         luopan.open(root).load("run", 2)
@@ -357,9 +360,7 @@ def test_cli_show_marks_delta_entries(tmp_path):
 
     repo = open_repo(tmp_path / "r")
     emb = table()
-    for step in range(3):
-        emb[scattered(10, step)] += 1
-        repo.save("run", step, {"emb": emb})
+    sparse_saves(repo, emb)
     r = CliRunner().invoke(app, ["show", "-r", str(tmp_path / "r"), "run", "2", "--json"])
     assert r.exit_code == 0, r.output
     entry = json.loads(r.stdout)["entries"][0]
