@@ -570,6 +570,28 @@ class Repo:
         """Entries changed, added and removed between two checkpoints of a run, with the bytes that differ."""
         return diff_manifests(self.manifest(run, step_a), self.manifest(run, step_b))
 
+    def prune(self, run: str, rules: Any, *, dry_run: bool = False) -> Any:
+        """Remove the checkpoints of ``run`` that ``rules`` (luopan.retention) do not keep; returns the Plan.
+
+        The newest checkpoint and pinned ones are always kept. A checkpoint is removed by deleting its manifest
+        (atomic: it exists until then, and is gone after); the chunks it alone used stay until `luopan gc`.
+        ``dry_run`` computes exactly the same plan and removes nothing.
+        """
+        from ..retention import Checkpoint, plan as retention_plan
+
+        self._drain()
+        pins = self.run(run).pins()
+        tags = {step: ((p["tag"],) if p["tag"] else ()) for step, p in pins.items()}
+        infos = self.checkpoints(run)
+        if not infos:
+            raise CheckpointNotFoundError(self._no_checkpoint(run))
+        decided = retention_plan([Checkpoint.from_info(i, pinned=i.step in pins, tags=tags.get(i.step, ()))
+                                  for i in infos], rules)
+        if not dry_run:
+            for step in decided.remove:  # oldest first; the newest is never among them, so `latest` stays valid
+                self.store.delete(manifest_key(run, step))
+        return decided
+
     def du(self) -> dict[str, int]:
         """Logical bytes over all checkpoints vs physical bytes in the store."""
         logical = 0

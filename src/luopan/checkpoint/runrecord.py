@@ -39,6 +39,10 @@ def eval_key(run: str, step: int) -> str:
     return f"runs/{run}/evals/{step:08d}.json"
 
 
+def pin_key(run: str, step: int) -> str:
+    return f"refs/pins/{run}/{step:08d}.json"
+
+
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 _SECRET_FLAG = re.compile(r"^--?[\w.-]*(" + "|".join(SECRET_MARKERS) + r")[\w.-]*(=|$)", re.IGNORECASE)
 
@@ -215,3 +219,39 @@ class Run:
 
         doc["metrics"] = decode_metrics(doc["metrics"])
         return doc
+
+    # -- pins (docs/format.md §9.1): pinned checkpoints are never removed by prune --------------------------------
+    def pin(self, step: int, tag: str | None = None) -> None:
+        """Protect checkpoint ``step`` from pruning (optionally with a tag, e.g. "release-1")."""
+        check_step(step)
+        if step not in self.repo.steps(self.name):
+            raise CheckpointNotFoundError(f"run {self.name!r} has no checkpoint at step {step} to pin")
+        if tag is not None and (not isinstance(tag, str) or not tag or len(tag) > 128):
+            raise UnsupportedValueError(f"a pin tag must be a non-empty str of at most 128 characters, got {tag!r}")
+        doc = {"format_version": BASE_FORMAT_VERSION, "run": self.name, "step": step, "tag": tag,
+               "created": datetime.now(timezone.utc).isoformat()}
+        self.repo.store.put(pin_key(self.name, step), seal(doc))
+
+    def unpin(self, step: int) -> bool:
+        """Remove the pin of ``step``; returns whether there was one."""
+        check_step(step)
+        key = pin_key(self.name, step)
+        if not self.repo.store.exists(key):
+            return False
+        self.repo.store.delete(key)
+        return True
+
+    def pins(self) -> dict[int, dict[str, Any]]:
+        """step -> {"tag", "created"} of every pinned checkpoint of the run."""
+        prefix = f"refs/pins/{self.name}/"
+        out = {}
+        for key in self.repo.store.list(prefix):
+            stem = key[len(prefix):].removesuffix(".json")
+            if not (stem.isdigit() and len(stem) == 8):
+                continue
+            try:
+                doc = _parse(self.repo.store.get(key), key)
+            except KeyNotFound:
+                continue
+            out[int(stem)] = {"tag": doc.get("tag"), "created": doc.get("created")}
+        return dict(sorted(out.items()))

@@ -352,6 +352,80 @@ def du(repo: RepoOpt, as_json: JsonOpt = False) -> None:
               f"manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])}")
 
 
+@app.command()
+@_handles_errors
+def prune(
+    repo: RepoOpt,
+    run: Annotated[str, typer.Argument(help="Run to prune.")],
+    keep_last: Annotated[Optional[str], typer.Option("--keep-last", metavar="N",
+                                                     help="Keep the N newest checkpoints.")] = None,
+    keep_best: Annotated[list[str], typer.Option("--keep-best", metavar="N:METRIC[:min|max]",
+                                                 help="Keep the N best by a metric (repeatable), e.g. 3:loss:min.")] = [],  # noqa: B006
+    keep_every: Annotated[list[str], typer.Option("--keep-every", metavar="DURATION",
+                                                  help="Keep the newest checkpoint of each period, e.g. 24h, 7d "
+                                                       "(UTC-aligned buckets; repeatable).")] = [],  # noqa: B006
+    keep_every_steps: Annotated[list[str], typer.Option("--keep-every-steps", metavar="N",
+                                                        help="Keep the newest checkpoint of each N steps.")] = [],  # noqa: B006
+    keep_tag: Annotated[list[str], typer.Option("--keep-tag", metavar="TAG",
+                                                help="Keep checkpoints pinned with this tag (repeatable).")] = [],  # noqa: B006
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove checkpoints a retention policy does not keep. The newest and pinned checkpoints always stay.
+
+    Categories are separate, each with its own count (restic-style): a checkpoint stays if any rule keeps it.
+    Removing deletes manifests only; run `luopan gc` to free the space of data nothing references any more.
+    """
+    from ..retention import rules_from_flags
+
+    try:
+        rules = rules_from_flags(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
+                                 keep_every_steps=keep_every_steps, keep_tag=keep_tag)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        decided = _open(repo).prune(run, rules, dry_run=dry_run)
+    except ValueError as exc:
+        if isinstance(exc, LuopanError):
+            raise
+        raise typer.BadParameter(str(exc)) from None
+    if as_json:
+        _emit_json({"run": run, "dry_run": dry_run, "keep": {str(k): v for k, v in decided.keep.items()},
+                    "remove": decided.remove})
+        return
+    for line in decided.describe():
+        out.print(line, highlight=False)
+    if dry_run:
+        out.print("dry run: nothing removed")
+
+
+@app.command()
+@_handles_errors
+def pin(
+    repo: RepoOpt,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step: Annotated[int, typer.Argument(help="Step of the checkpoint to protect.")],
+    tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
+) -> None:
+    """Protect a checkpoint: `luopan prune` never removes a pinned checkpoint."""
+    _open(repo).run(run).pin(step, tag)
+    out.print(f"pinned {run} step {step}" + (f" as {tag!r}" if tag else ""))
+
+
+@app.command()
+@_handles_errors
+def unpin(
+    repo: RepoOpt,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step: Annotated[int, typer.Argument(help="Step to unpin.")],
+) -> None:
+    """Remove a checkpoint's pin (the checkpoint itself stays until a prune removes it)."""
+    if _open(repo).run(run).unpin(step):
+        out.print(f"unpinned {run} step {step}")
+    else:
+        raise typer.Exit(_not_found(f"run {run!r} step {step} is not pinned"))
+
+
 def _plan_arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """Wrap a `luopan.plan` parser so its PlanInputError becomes a usage error (exit 2) with its message."""
     def convert(text: Any) -> Any:
