@@ -6,14 +6,20 @@ import os
 
 from ..errors import InvalidNameError
 from .base import KeyNotFound, Store
+from .fsspec_store import OBJECT_STORE_SCHEMES, FsspecStore  # imports fsspec/s3fs only when a store is opened
 from .local import LocalStore
 from .memory import MemoryStore
 
-__all__ = ["KeyNotFound", "LocalStore", "MemoryStore", "Store", "open_store"]
+__all__ = ["FsspecStore", "KeyNotFound", "LocalStore", "MemoryStore", "Store", "open_store"]
 
 
 def open_store(location: str | os.PathLike[str] | Store) -> Store:
-    """A Store for a local path, ``file://`` URL, ``memory://`` (fresh, empty) or an existing Store."""
+    """A Store for a local path, ``file://`` URL, ``memory://`` (fresh, empty), an object-store URL
+    (``s3://bucket/prefix``; also ``gs://``, ``az://`` when their fsspec package is installed) or an existing Store.
+
+    Object stores take their options from the environment (for S3: ``LUOPAN_S3_ENDPOINT_URL`` or
+    ``AWS_ENDPOINT_URL``, the usual AWS credentials); for other options pass ``FsspecStore(url, **options)``.
+    """
     if isinstance(location, Store):
         return location
     loc = os.fspath(location)
@@ -24,7 +30,9 @@ def open_store(location: str | os.PathLike[str] | Store) -> Store:
         return LocalStore(rest)
     if scheme == "memory":
         return MemoryStore()
+    if scheme.lower() in OBJECT_STORE_SCHEMES:
+        return FsspecStore(loc)
     raise InvalidNameError(
-        f"unsupported repository URL scheme {scheme!r} in {loc!r}: use a local path, file:// or memory:// "
-        "(object-store backends are not available in this version)"
+        f"unsupported repository URL scheme {scheme!r} in {loc!r}: use a local path, file://, memory:// or an "
+        f"object store ({', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}; s3 needs pip install \"luopan[s3]\")"
     )
