@@ -24,6 +24,8 @@ from ..checkpoint.repo import open as open_repo
 from ..checkpoint.runrecord import config_json
 from ..errors import IntegrityError
 from ..format.manifest import Manifest
+from ..format.names import pack_key
+from ..store.base import KeyNotFound
 from ..tree import flatten
 from .state import TrainingState
 
@@ -152,12 +154,20 @@ class CheckpointManager:
         """The cheap check after every save; every ``verify_every`` saves, a read-back of a sample of entries
         (compared with ``tree`` when the caller still holds the saved values, i.e. synchronous saves)."""
         m = self.repo.manifest(self.run, step)
-        problems = [p for p in (check_pack_trailer(self.repo.store, pack) for pack in m.packs) if p is not None]
-        for pack in m.packs:
-            size = self.repo.store.size(f"packs/{pack[:2]}/{pack}.pack")
-            need = max((c[2] + c[3] for e in m.entries for c in _all_rows(e) if m.packs[c[1]] == pack), default=0)
-            if size < need:
-                problems.append(IntegrityError(f"pack {pack[:16]}… is {size} bytes, the checkpoint needs {need}"))
+        problems: list[Exception] = [p for p in (check_pack_trailer(self.repo.store, pack) for pack in m.packs)
+                                     if p is not None]
+        need = [0] * len(m.packs)  # bytes each pack must hold: the end of its last chunk this checkpoint uses
+        for e in m.entries:
+            for c in _all_rows(e):
+                need[c[1]] = max(need[c[1]], c[2] + c[3])
+        for pack, needed in zip(m.packs, need):
+            try:
+                size = self.repo.store.size(pack_key(pack))
+            except KeyNotFound:
+                size = -1
+            if size < needed:
+                problems.append(IntegrityError(f"pack {pack[:16]}… is {max(size, 0)} bytes (or missing), the "
+                                               f"checkpoint needs {needed}"))
         if problems:
             raise IntegrityError(f"checkpoint run {self.run!r} step {step} failed its post-save check: "
                                  + "; ".join(str(p) for p in problems))
