@@ -319,3 +319,19 @@ class TestFsspecGenericStore(StoreSuite):
 
     def make_store(self, tmp_path):
         return FsspecStore(f"memory://bucket/{uuid.uuid4().hex[:12]}")
+
+
+def test_pin_and_prune_on_s3(s3_endpoint):
+    from luopan.retention import KeepLast
+
+    url = fresh_url()
+    repo = luopan.open(url)
+    for s in range(1, 6):
+        repo.save("run", s, {"x": np.full(8, s, np.float32)})
+    repo.run("run").pin(2, tag="keep")
+    assert repo.prune("run", KeepLast(1), dry_run=True).remove == [1, 3, 4]
+    assert repo.steps("run") == [1, 2, 3, 4, 5]
+    repo.prune("run", KeepLast(1))
+    again = luopan.open(url)
+    assert again.steps("run") == [2, 5]
+    assert again.verify("run").ok and again.load("run")["x"][0] == 5

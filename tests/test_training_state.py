@@ -266,3 +266,18 @@ def test_optimizer_state_of_other_shapes_is_not_refused(repo):
     opt2 = torch.optim.Adafactor(model2.parameters(), lr=1e-2)
     TrainingState(model=model2, optimizer=opt2).restore(repo.load("r", 1))
     assert torch.equal(opt2.state_dict()["state"][0]["row_var"], opt.state_dict()["state"][0]["row_var"])
+
+
+def test_manager_applies_retention_after_each_save(tmp_path):
+    from luopan.retention import KeepLast
+
+    model, opt, sched = setup()
+    mgr = CheckpointManager(tmp_path / "r", "run", TrainingState(model=model), policy=EveryNSteps(1),
+                            retention=KeepLast(2))
+    mgr.maybe_save(1)
+    mgr.repo.run("run").pin(1)
+    for s in range(2, 6):
+        mgr.maybe_save(s)
+    assert mgr.repo.steps("run") == [1, 4, 5]  # the pinned one and the last two
+    assert mgr.last_prune.remove == [3]
+    mgr.close()

@@ -33,7 +33,8 @@ from .state import TrainingState
 class CheckpointManager:
     """Checkpointing for a training loop. See the module docstring.
 
-    ``policy``: when to save (luopan.policies; default every 100 steps). ``async_save``: saves return after a host
+    ``policy``: when to save (luopan.policies; default every 100 steps). ``retention``: luopan.retention rules
+    applied after each committed save (e.g. ``KeepLast(3) | KeepBest(1, "loss")``; pinned and newest stay). ``async_save``: saves return after a host
     copy and persist in the background (one in flight). ``trust_versions``: skip tensors whose version counter did
     not move (see Repo.save). After every save the manifest and the pack files it names are checked (sizes and
     trailer hashes); every ``verify_every`` saves, ``verify_sample`` entries are read back, their hashes checked,
@@ -43,7 +44,7 @@ class CheckpointManager:
     def __init__(self, repo: Repo | str | os.PathLike[str], run: str, state: TrainingState, *,
                  policy: Any = None, async_save: bool = False, trust_versions: bool = False,
                  verify_every: int = 10, verify_sample: int = 8, config: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 retention: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         from ..policies import EveryNSteps
 
         self._owns_repo = not isinstance(repo, Repo)
@@ -56,6 +57,8 @@ class CheckpointManager:
         self.verify_every = verify_every
         self.verify_sample = verify_sample
         self.config = config_json(config)  # a config that is not JSON is refused now, not at the first save
+        self.retention = retention  # luopan.retention rules applied after each committed save (prune)
+        self.last_prune: Any = None
         self.clock = clock
         self.saves = 0
         self.last_saved_step: int | None = None
@@ -121,10 +124,12 @@ class CheckpointManager:
         return out
 
     def _booked(self, step: int, cost: float) -> None:
-        """A committed save: the policy learns its cost (the time the loop was blocked)."""
+        """A committed save: the policy learns its cost (the time the loop was blocked); retention runs."""
         self.policy.saved(step, self.clock(), cost)
         self.saves += 1
         self.last_saved_step = step
+        if self.retention is not None:  # the checkpoint just committed is the newest: prune never removes it
+            self.last_prune = self.repo.prune(self.run, self.retention)
 
     def close(self) -> None:
         """Wait for a background save and check it; close the repository if the manager opened it."""
