@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, UnsupportedValueError
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, stored_rows
 from ..store.base import Store
 from .parallel import WORKERS, ordered_map
 from .read import ChunkRef, PendingDelta, chunk_refs, delta_jobs, read_chunk, read_chunks
@@ -134,8 +134,7 @@ def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:
     def chunks(m: Manifest, e: dict[str, Any]) -> list[tuple[str, int]]:
         """(hash, size) of the entry's stored parts: chunks, then any row delta's index and values."""
         src = m.entries[e["alias_of"]] if "alias_of" in e else e
-        d = src.get("delta", {})
-        return [(c[0], c[4]) for c in src.get("chunks", []) + d.get("index", []) + d.get("values", [])]
+        return [(c[0], c[4]) for c in stored_rows(src)]
 
     ea = {e["path"]: e for e in a.entries}
     eb = {e["path"]: e for e in b.entries}

@@ -9,7 +9,6 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from collections.abc import Callable
 from typing import Any
 
 import blake3
@@ -23,7 +22,7 @@ from ..format.canonical import seal, sealed_checksum
 from ..format.chunking import chunk_spans
 from ..format.config import RepoConfig
 from ..format.index import build_index
-from ..format.manifest import encode_metrics, seal_manifest, structure_fingerprint
+from ..format.manifest import encode_metrics, seal_manifest, stored_rows, structure_fingerprint
 from ..format.names import index_key, latest_ref_key, manifest_key, pack_key
 from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import KeyNotFound, Store
@@ -167,9 +166,7 @@ class PackChecker:
         """Whether every chunk of a previous manifest entry (and of its row delta) can be referenced again."""
         if not entry or "chunks" not in entry:
             return False
-        d = entry.get("delta", {})
-        rows = entry["chunks"] + d.get("index", []) + d.get("values", [])
-        return all(r[0] in known and self.reusable(known[r[0]]) for r in rows)
+        return all(r[0] in known and self.reusable(known[r[0]]) for r in stored_rows(entry))
 
 
 def write_checkpoint(

@@ -120,6 +120,12 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
     return Manifest(doc)
 
 
+def stored_rows(entry: dict[str, Any]) -> list[list[Any]]:
+    """Every chunk row an entry's bytes depend on: its (base) chunks, then any row delta's index and values."""
+    d = entry.get("delta", {})
+    return entry.get("chunks", []) + d.get("index", []) + d.get("values", [])
+
+
 MAX_CHUNK_BYTES = 1 << 30  # the largest chunk_size a repository may have (format/config.py)
 
 

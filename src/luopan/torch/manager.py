@@ -23,7 +23,7 @@ from ..checkpoint.repo import CheckpointInfo, Repo, SaveHandle
 from ..checkpoint.repo import open as open_repo
 from ..checkpoint.runrecord import config_json
 from ..errors import IntegrityError
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, stored_rows
 from ..format.names import pack_key
 from ..store.base import KeyNotFound
 from ..tree import flatten
@@ -163,7 +163,7 @@ class CheckpointManager:
                                      if p is not None]
         need = [0] * len(m.packs)  # bytes each pack must hold: the end of its last chunk this checkpoint uses
         for e in m.entries:
-            for c in _all_rows(e):
+            for c in stored_rows(e):
                 need[c[1]] = max(need[c[1]], c[2] + c[3])
         for pack, needed in zip(m.packs, need):
             try:
@@ -195,11 +195,6 @@ class CheckpointManager:
             if leaf is not None and bytes(leaf.host_bytes()) != bytes(buf):
                 raise IntegrityError(f"checkpoint run {self.run!r} step {m.step} entry {e['path']!r} reads back "
                                      "different bytes from those saved")
-
-
-def _all_rows(e: dict[str, Any]) -> list[list[Any]]:
-    d = e.get("delta", {})
-    return e.get("chunks", []) + d.get("index", []) + d.get("values", [])
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
