@@ -39,6 +39,7 @@ from ..format.names import (
     step_from_manifest_key,
 )
 from ..format.pack import BlobLocation
+from ..locks import DEFAULT_TIMEOUT, locked
 from ..store import Store, open_store
 from ..store.base import KeyNotFound
 from ..store.local import TMP_MARK
@@ -167,6 +168,7 @@ class Repo:
         self._buffers = HostBuffers()
         self._worker: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
+        self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a save waits for prune/gc (None: forever)
 
     def __repr__(self) -> str:
         return f"luopan.Repo({self.store.describe()!r})"
@@ -313,6 +315,12 @@ class Repo:
         return Run(self, name)
 
     def _commit(self, plan: _SavePlan) -> CheckpointInfo:
+        # A shared lock: saves run side by side, prune/gc wait for them (and they for prune/gc), docs/format.md §9.2.
+        with locked(self.store, "shared", f"save of {plan.run} step {plan.step}", timeout=self.lock_timeout,
+                    where=_where(self.store)):
+            return self._commit_locked(plan)
+
+    def _commit_locked(self, plan: _SavePlan) -> CheckpointInfo:
         if plan.run not in self._recorded:  # the run's record, once (docs/format.md §8.1)
             try:
                 Run(self, plan.run).write_record()
@@ -340,9 +348,15 @@ class Repo:
 
     def _chunk_index(self) -> dict[str, BlobLocation]:
         """Chunk hash → location from all index files (refreshed with index files new since the last call)."""
-        if self._known is None:
+        keys = list(self.store.list("index/"))
+        if self._known is None or not self._indexes_seen.issubset(keys):
+            # First use, or gc consolidated/removed index files (and maybe moved or deleted packs): forget every
+            # location this process remembers, so no save references a chunk where it no longer is. (Rows kept for
+            # change detection hold hashes, not locations; they are looked up here again.)
             self._known = {}
-        for key in self.store.list("index/"):
+            self._indexes_seen = set()
+            self._intact_packs.clear()
+        for key in keys:
             if key in self._indexes_seen:
                 continue
             try:
@@ -577,9 +591,13 @@ class Repo:
         (atomic: it exists until then, and is gone after); the chunks it alone used stay until `luopan gc`.
         ``dry_run`` computes exactly the same plan and removes nothing.
         """
+        self._drain()
+        with locked(self.store, "exclusive", f"prune of {run}", timeout=self.lock_timeout, where=_where(self.store)):
+            return self._prune_locked(run, rules, dry_run)
+
+    def _prune_locked(self, run: str, rules: Any, dry_run: bool) -> Any:
         from ..retention import Checkpoint, plan as retention_plan
 
-        self._drain()
         pins = self.run(run).pins()
         tags = {step: ((p["tag"],) if p["tag"] else ()) for step, p in pins.items()}
         infos = self.checkpoints(run)

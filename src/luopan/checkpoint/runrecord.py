@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ..format import BASE_FORMAT_VERSION, refuse_newer
 from ..format.canonical import SealError, canonical, parse_object, seal, verify_seal
-from ..format.names import check_run, check_step
+from ..format.names import check_run, check_step, manifest_key
+from ..locks import locked
 from ..store.base import KeyNotFound
 
 if TYPE_CHECKING:
@@ -230,7 +231,11 @@ class Run:
             raise UnsupportedValueError(f"a pin tag must be a non-empty str of at most 128 characters, got {tag!r}")
         doc = {"format_version": BASE_FORMAT_VERSION, "run": self.name, "step": step, "tag": tag,
                "created": datetime.now(timezone.utc).isoformat()}
-        self.repo.store.put(pin_key(self.name, step), seal(doc))
+        # Shared lock: a prune in progress finishes first (it read the pins), then the checkpoint must still exist.
+        with locked(self.repo.store, "shared", f"pin of {self.name} step {step}", timeout=self.repo.lock_timeout):
+            if not self.repo.store.exists(manifest_key(self.name, step)):
+                raise CheckpointNotFoundError(f"run {self.name!r} step {step} was pruned before it could be pinned")
+            self.repo.store.put(pin_key(self.name, step), seal(doc))
 
     def unpin(self, step: int) -> bool:
         """Remove the pin of ``step``; returns whether there was one."""
