@@ -70,6 +70,17 @@ class StoreSuite:
         assert sorted(store.list("runs/")) == ["runs/r/ckpt/00000001.json"]
         assert list(store.list("nothing/")) == []
 
+    def test_modified_is_the_write_time_or_unknown(self, store):
+        import time
+
+        before = time.time()
+        store.put("m", b"1")
+        stamp = store.modified("m")
+        if stamp is not None:  # backends that cannot say return None (gc then relies on its condemn record alone)
+            assert before - 5 <= stamp <= time.time() + 5  # object-store clocks: seconds, not sub-second
+        with pytest.raises(KeyNotFound):
+            store.modified("nope")
+
     def test_empty_value(self, store):
         store.put("empty", b"")
         assert store.get("empty") == b""

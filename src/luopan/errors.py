@@ -90,3 +90,14 @@ class CorruptManifestError(IntegrityError):
 
 class CorruptRepoError(IntegrityError):
     """The repository config, an index file or a ref is damaged."""
+
+
+class LockedError(LuopanError, TimeoutError):
+    """The repository is locked (by a prune/gc, or by saves when we want the exclusive lock) for longer than we were
+    willing to wait. The message names the holders and how to remove a stale lock."""
+
+
+class GcError(LuopanError):
+    """Garbage collection cannot run safely (e.g. a damaged manifest: gc cannot tell what that checkpoint needs)."""
+
+    exit_code = 3

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import LuopanError
+from .errors import LockedError
 from .format import BASE_FORMAT_VERSION
 from .format.canonical import SealError, seal, unseal
 from .store.base import KeyNotFound, Store
@@ -41,10 +41,6 @@ LOCK_PREFIX = "locks/"
 REFRESH_SECONDS = 120.0
 STALE_SECONDS = 30 * 60.0
 DEFAULT_TIMEOUT = 600.0
-
-
-class LockedError(LuopanError, TimeoutError):
-    """The repository is locked by another process for longer than we were willing to wait."""
 
 
 def _pidns() -> str:

@@ -610,6 +610,21 @@ class Repo:
                 self.store.delete(manifest_key(run, step))
         return decided
 
+    def gc(self, *, grace: float | None = None, repack_below: float | None = None, dry_run: bool = False,
+           progress: Callable[[str], Any] | None = None) -> Any:
+        """Delete packs no checkpoint needs and repack mostly-dead ones (luopan.gc.collect; docs/format.md §10.3).
+
+        Two-phase: unreferenced packs are first condemned, and deleted by a gc run at least ``grace`` seconds
+        (default 1 h) later if still unreferenced; ``grace=0`` condemns and deletes in one run (use it when nothing
+        else reads the repository). Packs whose live blobs fill less than ``repack_below`` (default 0.5) are
+        rewritten. Takes the exclusive lock (saves wait). Returns a GcReport.
+        """
+        from ..gc import DEFAULT_GRACE, DEFAULT_REPACK_BELOW, collect
+
+        return collect(self, grace=DEFAULT_GRACE if grace is None else grace,
+                       repack_below=DEFAULT_REPACK_BELOW if repack_below is None else repack_below,
+                       dry_run=dry_run, progress=progress)
+
     def du(self) -> dict[str, int]:
         """Logical bytes over all checkpoints vs physical bytes in the store."""
         logical = 0

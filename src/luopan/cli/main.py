@@ -1,4 +1,4 @@
-"""``luopan`` CLI: init, ls, show, verify, du, export, diff. The repository comes from ``-r/--repo`` or ``LUOPAN_REPO``.
+"""``luopan`` CLI: init, ls, show, verify, du, export, diff, prune, pin, gc, locks, unlock, plan. The repository comes from ``-r/--repo`` or ``LUOPAN_REPO``.
 
 Exit codes: 0 ok, 1 user error, 2 usage (bad flags), 3 damaged data found, 4 not found, 5 newer format.
 """
@@ -424,6 +424,103 @@ def unpin(
         out.print(f"unpinned {run} step {step}")
     else:
         raise typer.Exit(_not_found(f"run {run!r} step {step} is not pinned"))
+
+
+def _grace(text: str) -> float:
+    from ..retention import parse_duration
+
+    if text.strip() in ("0", "0s", "0m", "0h", "0d"):
+        return 0.0
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@app.command()
+@_handles_errors
+def gc(
+    repo: RepoOpt,
+    grace: Annotated[str, typer.Option("--grace", metavar="DURATION",
+                                       help="How long unreferenced data is kept condemned before it is deleted "
+                                            "(e.g. 1h, 30m; 0 deletes in this run: only when nothing else is "
+                                            "reading the repository).")] = "1h",
+    repack_below: Annotated[float, typer.Option("--repack-below", min=0.0, max=1.0, metavar="FRACTION",
+                                                help="Rewrite packs whose live data fills less than this fraction "
+                                                     "(0 disables repacking).")] = 0.5,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what gc would do; change nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Free the space of data no checkpoint references (after `luopan prune`), and repack mostly-dead packs.
+
+    Two-phase, like restic prune: unreferenced packs are first condemned, then deleted by a later gc run once the
+    grace period has passed and they are still unreferenced (so a process reading an old checkpoint is not cut
+    off). Takes the repository's exclusive lock: saves wait for gc to finish. Safe to interrupt at any point.
+    """
+    seconds = _grace(grace)
+    r = _open(repo)
+    if as_json:
+        rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run)
+        _emit_json(rep.to_json())
+        return
+    with err.status("gc: marking") as status:
+        rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run,
+                   progress=lambda msg: status.update(f"gc: {msg}"))
+    would = "would " if dry_run else ""
+    out.print(f"{rep.manifests} checkpoint(s) reference {rep.live_packs} of {rep.packs} pack(s) "
+              f"({human(rep.live_bytes)} live of {human(rep.pack_bytes)})", highlight=False)
+    if rep.repacked_packs:
+        out.print(f"{would}repack {rep.repacked_packs} pack(s) ({human(rep.repacked_bytes)}): copied "
+                  f"{human(rep.copied_bytes)} live data, rewrote {rep.manifests_rewritten} manifest(s)",
+                  highlight=False)
+    out.print(f"{would}delete {rep.deleted_packs} pack(s), freeing {human(rep.deleted_bytes)}", highlight=False)
+    if rep.condemned_packs:
+        from datetime import datetime, timezone
+
+        when = datetime.fromtimestamp(rep.next_sweep_after or 0, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        out.print(f"{rep.condemned_packs} unreferenced pack(s) ({human(rep.condemned_bytes)}) {would}wait for the "
+                  f"grace period: a gc run after {when} deletes them (or --grace 0 when nothing else reads the "
+                  "repository)", highlight=False)
+    if rep.young_packs:
+        out.print(f"{rep.young_packs} unreferenced pack(s) younger than the grace period left alone (a save may "
+                  "be writing them)", highlight=False)
+    for skipped in rep.skipped_repacks:
+        out.print(f"[yellow]not repacked[/] (damaged; run `luopan verify`): {skipped}", highlight=False)
+    if dry_run:
+        out.print("dry run: nothing changed")
+
+
+@app.command()
+@_handles_errors
+def locks(repo: RepoOpt, as_json: JsonOpt = False) -> None:
+    """List the repository's locks: saves hold shared ones, prune and gc an exclusive one."""
+    from ..locks import list_locks
+
+    recs = list_locks(_open(repo).store)
+    if as_json:
+        _emit_json([r.to_json() for r in recs])
+        return
+    if not recs:
+        out.print("no locks")
+    for rec in recs:
+        reason = rec.stale_reason()
+        out.print(rec.describe() + (f" [yellow](stale: {reason})[/]" if reason else ""), highlight=False)
+
+
+@app.command()
+@_handles_errors
+def unlock(
+    repo: RepoOpt,
+    remove_all: Annotated[bool, typer.Option("--all", help="Remove every lock, not only stale ones: only when you "
+                                                           "know no luopan process uses the repository.")] = False,
+) -> None:
+    """Remove stale locks (their process is gone, or they were not refreshed for 30 min)."""
+    from ..locks import break_locks
+
+    removed = break_locks(_open(repo).store, stale_only=not remove_all)
+    for rec in removed:
+        out.print(f"removed {rec.describe()}", highlight=False)
+    out.print(f"{len(removed)} lock(s) removed")
 
 
 def _plan_arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -78,5 +78,10 @@ class Store(abc.ABC):
         (size first), or None when the backend cannot say (then callers do not cache checks of it)."""
         return None
 
+    def modified(self, key: str) -> float | None:
+        """When the object was last written (unix time), or None when the backend cannot say. Garbage collection
+        never deletes an unreferenced pack younger than its grace period (a save in progress may be writing it)."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__

@@ -248,6 +248,13 @@ class FsspecStore(Store):
         stamp = int(modified.timestamp() * 1e9) if hasattr(modified, "timestamp") else 0
         return (int(info["size"]), tag, stamp)
 
+    def modified(self, key: str) -> float | None:
+        info = self._info(key)
+        stamp = info.get("LastModified") or info.get("last_modified") or info.get("mtime") or info.get("created")
+        if hasattr(stamp, "timestamp"):
+            return float(stamp.timestamp())
+        return float(stamp) if isinstance(stamp, (int, float)) else None
+
     def cleanup_temporaries(self) -> int:
         return 0  # objects are written whole: no temporaries on object stores
 

@@ -248,6 +248,12 @@ class LocalStore(Store):
             raise KeyNotFound(key) from None
         return (st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns)
 
+    def modified(self, key: str) -> float | None:
+        try:
+            return os.stat(self._path(key)).st_mtime
+        except FileNotFoundError:
+            raise KeyNotFound(key) from None
+
     # -- conveniences -------------------------------------------------------------------------------------------
     def cleanup_temporaries(self) -> int:
         """Remove temp files whose writer is gone: ones whose flock can be taken (a live writer holds it until its

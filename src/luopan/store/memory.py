@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 from .base import Data, KeyNotFound, Store, as_parts
@@ -11,6 +12,7 @@ from .base import Data, KeyNotFound, Store, as_parts
 class MemoryStore(Store):
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
+        self._times: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str) -> bytes:
@@ -26,6 +28,7 @@ class MemoryStore(Store):
         value = b"".join(as_parts(data))
         with self._lock:
             self._data[key] = value
+            self._times[key] = time.time()
 
     def put_if_absent(self, key: str, data: Data) -> bool:
         value = b"".join(as_parts(data))
@@ -33,11 +36,13 @@ class MemoryStore(Store):
             if key in self._data:
                 return False
             self._data[key] = value
+            self._times[key] = time.time()
             return True
 
     def delete(self, key: str) -> None:
         with self._lock:
             self._data.pop(key, None)
+            self._times.pop(key, None)
 
     def list(self, prefix: str = "") -> Iterator[str]:
         with self._lock:
@@ -49,6 +54,12 @@ class MemoryStore(Store):
 
     def size(self, key: str) -> int:
         return len(self.get(key))
+
+    def modified(self, key: str) -> float | None:
+        try:
+            return self._times[key]
+        except KeyError:
+            raise KeyNotFound(key) from None
 
     def describe(self) -> str:
         return "memory://"
