@@ -3,6 +3,7 @@
 
     python benchmarks/run.py --suite foundation [--size-mib 1024] [--quick] [--json OUT] [--workdir DIR]
     python benchmarks/run.py --suite incremental [--size-mib 1024] [--quick] [--json OUT]   (P2, P4, P6, P8)
+    python benchmarks/run.py --suite tiers [--size-mib 1024] [--quick] [--json OUT]         (T1, T2)
 
 Runs in one process, alternating peer and luopan measurements, and prints medians and ratios. Exits 0 whether or
 not the goals are met (the table and the JSON say which are missed); exits non-zero only when it cannot run.
@@ -26,6 +27,7 @@ except ImportError:  # running from a checkout without an installed luopan
 
 import foundation  # noqa: E402
 import incremental  # noqa: E402
+import tiers  # noqa: E402
 
 QUICK_SIZE_MIB = 256
 DEFAULT_SIZE_MIB = 1024
@@ -33,7 +35,7 @@ DEFAULT_SIZE_MIB = 1024
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["foundation", "incremental"], default="foundation")
+    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers"], default="foundation")
     ap.add_argument("--size-mib", type=int, default=None,
                     help=f"state size in MiB (default {DEFAULT_SIZE_MIB}; {QUICK_SIZE_MIB} with --quick)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE_MIB} MiB state, fewer cold repetitions")
@@ -161,6 +163,28 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(foundation.rss_probe(args.rss_probe, args.size_mib, work)))
         return 0
     log = foundation.Log(verbose=not args.quiet)
+    if args.suite == "tiers":
+        report = tiers.run_tiers(args.size_mib, min(args.reps, 3) if args.quick else args.reps, args.workdir, log,
+                                 args.quick)
+        log("done")
+        for r in report["results"]:
+            detail = {
+                "T1": lambda: f"save {r['tiered_save_s']:.3f}s tiered vs {r['local_save_s']:.3f}s local while the "
+                              f"previous checkpoint replicates (first save: ratio {r['first_save_ratio']}); "
+                              f"replicated {r['replication_latency_s']:.2f}s after the save, "
+                              f"{r['replication_mib_per_s']} MiB/s, {r['state_bytes']} bytes per save",
+            }.get(r["id"][:2], lambda: "")()
+            if r["id"].startswith("T2"):
+                print(f"{r['id']}: {r['value']:.3f} s/GiB (report only; no goal yet): gc {r['gc_s']:.2f}s for "
+                      f"{r['live_bytes'] / 2**20:.0f} MiB live, deleted {r['deleted_bytes'] / 2**20:.0f} MiB in "
+                      f"{r['deleted_packs']} packs, repacked {r['repacked_packs']} ({r['copied_bytes'] / 2**20:.0f} "
+                      f"MiB copied), rewrote {r['manifests_rewritten']} manifests; seconds per phase "
+                      f"{r['profile_s']}")
+                continue
+            print(f"{r['id']}: {r['ratio']:.4f} (goal {r['goal_op']} {r['goal']}: {'met' if r['met'] else 'MISSED'})"
+                  f"; {detail}")
+        _write_json(args.json, report)
+        return 0
     if args.suite == "incremental":
         report = incremental.run_incremental(args.size_mib, args.reps, args.workdir, log)
         log("done")

@@ -15,6 +15,7 @@ import pytest
 
 import luopan
 from luopan.format.canonical import unseal
+from luopan.retention import KeepLast
 
 RUN = "full"
 CHUNK_SIZE = 64 * 1024
@@ -56,6 +57,7 @@ def few_inodes_fs(tmp_path):
 def test_running_out_of_inodes_is_a_typed_storage_full_error(few_inodes_fs):
     """Out of inodes fails file/directory creation (not a data write): still StorageFullError, nothing partial."""
     repo = luopan.open(few_inodes_fs / "repo", chunk_size=4096, pack_size=4096)
+    repo.space_margin = 0  # these tests run into the full disk itself, past the preflight (tested below)
     committed = []
     with pytest.raises(luopan.StorageFullError, match="no space left"):
         for step in range(200):
@@ -106,6 +108,7 @@ def test_disk_full_fails_cleanly_and_recovers(small_fs):
         os.fsync(f.fileno())
     root = small_fs / "repo"
     repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+    repo.space_margin = 0
 
     saved = {}
     for step in range(100):
@@ -165,6 +168,7 @@ def test_disk_full_on_first_save_leaves_empty_repo(small_fs):
     """A save that cannot fit at all leaves a usable, empty repository and its space free."""
     root = small_fs / "repo"
     repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+    repo.space_margin = 0
     free_before = free_bytes(small_fs)
     big = {"w": np.random.default_rng(0).standard_normal(4 << 20, dtype=np.float32)}  # 16 MiB > 12 MiB tmpfs
     with pytest.raises(luopan.StorageFullError, match="no space"):
@@ -216,6 +220,7 @@ def test_disk_full_at_each_write_of_a_save(small_fs, stage):
         if root.exists():
             shutil.rmtree(root)
         r = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+        r.space_margin = 0
         r.save(RUN, 0, base)
         return r
 
@@ -284,3 +289,60 @@ def test_disk_full_at_each_write_of_a_save(small_fs, stage):
         assert_same_state(reopened.load(RUN, s), st)
     reopened.close()
     r.close()
+
+
+# -- space preflight (docs/format.md §10.4) ------------------------------------------------------------------------
+
+def test_preflight_refuses_before_writing_and_says_what_gc_and_prune_free(small_fs):
+    root = small_fs / "repo"
+    repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+    saved = {}
+    for step in range(100):
+        before = {k: repo.store.get(k) for k in repo.store.list("")}
+        try:
+            repo.save(RUN, step, make_state(step))
+        except luopan.InsufficientSpaceError as exc:
+            err = exc
+            break
+        saved[step] = make_state(step)
+    else:
+        pytest.fail("the preflight never refused on a 12 MiB tmpfs")
+    assert len(saved) >= 2
+    # refused before writing anything: the repository is byte for byte as before (no lock left either)
+    assert {k: repo.store.get(k) for k in repo.store.list("")} == before
+    assert err.free < err.needed == int(err.estimate * 1.5)
+    assert isinstance(err, luopan.StorageFullError) and err.errno == errno.ENOSPC
+    assert "nothing was written" in str(err) and "space_margin" in str(err)
+    # pruning everything but the newest would free the older checkpoints' own packs: the message says so
+    assert err.prune_frees > 0 and "luopan prune" in str(err)
+    repo.prune(RUN, KeepLast(1))
+    with pytest.raises(luopan.InsufficientSpaceError) as again:
+        repo.save(RUN, step, make_state(step))
+    assert again.value.gc_frees > 0 and "luopan gc --grace 0" in str(again.value)
+    repo.gc(grace=0)
+    repo.save(RUN, step, make_state(step))  # now it fits
+    repo.verify()
+
+
+def test_preflight_estimates_from_the_previous_save_of_the_run(tmp_path):
+    """An incremental save needs room for what it will write, not for the whole state: after a first save the
+    estimate is what the previous save of the run wrote."""
+    repo = luopan.open(tmp_path / "r", chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+    free = {"bytes": 10**12}
+    repo.store.free_bytes = lambda: free["bytes"]  # this store's disk, as the preflight sees it
+    frozen = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float32)  # 7.6 MiB
+    big = {"frozen": frozen, "adapter": np.ones(1000, np.float32)}
+    repo.save(RUN, 0, big)
+    big["adapter"] += 1
+    info1 = repo.save(RUN, 1, big)
+    assert info1.stored_bytes < 64 << 10  # an incremental save: only the adapter's chunk
+    free["bytes"] = 200 << 10  # room for the adapter, not for the state
+    big["adapter"] += 1
+    repo.save(RUN, 2, big)  # the estimate is what step 1 wrote
+    # a fresh process (no previous save of this run) must assume the whole state may be new
+    fresh = luopan.open(tmp_path / "r")
+    fresh.store.free_bytes = lambda: 200 << 10
+    with pytest.raises(luopan.InsufficientSpaceError, match="about 7.7 MiB to write"):
+        fresh.save(RUN, 3, big)
+    fresh.space_margin = 0  # the check can be turned off
+    fresh.save(RUN, 3, big)

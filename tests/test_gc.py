@@ -329,3 +329,13 @@ def test_a_crash_at_any_gc_phase_leaves_only_garbage(tmp_path, child_env, point)
     assert packs_of(repo) == referenced_packs(repo)
     assert len(list(repo.store.list("index/"))) == 1
     check_all(repo, {**sts, 50: sts[5]})
+
+
+def test_open_options_for_locks_and_space(tmp_path):
+    repo = luopan.open(tmp_path / "r", lock_timeout=2.5, space_margin=0)
+    assert (repo.lock_timeout, repo.space_margin) == (2.5, 0)
+    assert luopan.open(tmp_path / "r", lock_timeout=None).lock_timeout is None  # wait forever
+    for bad in ({"lock_timeout": -1}, {"space_margin": -0.5}, {"space_margin": float("nan")}):
+        with pytest.raises(ValueError):
+            luopan.open(tmp_path / "new", **bad)
+        assert not (tmp_path / "new").exists()  # refused before anything was created

@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 
@@ -33,20 +34,26 @@ class TestLocalStore(StoreSuite):
         s.put("d/keep", b"1")
         d = os.path.join(s.root, "d")
         dead = os.path.join(d, f"x{TMP_MARK}{_HOST}-999999999-abcd")  # nobody holds its lock
-        other_host = os.path.join(d, f"z{TMP_MARK}otherhost-1-abcd")  # same: lock-based, host does not matter
+        other_host = os.path.join(d, f"z{TMP_MARK}otherhost-1-abcd")  # unlocked and over a minute old
+        just_made = os.path.join(d, f"w{TMP_MARK}otherhost-1-abcd")  # unlocked but fresh: maybe between open and flock
         live = os.path.join(d, f"y{TMP_MARK}{_HOST}-{os.getpid()}-abcd")
-        for p in (dead, live, other_host):
+        for p in (dead, live, other_host, just_made):
             open(p, "wb").close()
+        old = time.time() - 120
+        os.utime(other_host, (old, old))
         fd = os.open(live, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_EX)  # a writer in flight holds its temp file's lock until the rename
         try:
             assert sorted(s.list("d/")) == ["d/keep"]  # temporaries are never listed
             assert s.cleanup_temporaries() == 2
             assert not os.path.exists(dead) and not os.path.exists(other_host)
-            assert os.path.exists(live)
+            assert os.path.exists(live) and os.path.exists(just_made)
         finally:
             os.close(fd)
-        assert s.cleanup_temporaries() == 1 and not os.path.exists(live)
+        assert s.cleanup_temporaries() == 0  # unlocked now, but young and its writer (this process) is alive
+        os.utime(live, (old, old))
+        os.utime(just_made, (old, old))
+        assert s.cleanup_temporaries() == 2 and not os.path.exists(live) and not os.path.exists(just_made)
 
     def test_writer_holds_its_temp_file_lock_until_renamed(self, tmp_path, monkeypatch):
         """Cleanup running in the middle of a put (after the temp file is written, before the rename) must not

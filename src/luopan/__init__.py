@@ -9,6 +9,7 @@
 from .checkpoint.repo import CheckpointInfo, Repo, SaveHandle, VerifyReport, init, open
 from .checkpoint.rowdelta import DeltaPolicy
 from .checkpoint.runrecord import Run
+from .tier import ColdPolicy
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -17,6 +18,7 @@ from .errors import (
     CorruptPackError,
     CorruptRepoError,
     GcError,
+    InsufficientSpaceError,
     IntegrityError,
     InvalidNameError,
     LayoutMismatchError,
@@ -38,12 +40,14 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
+    "ColdPolicy",
     "ConfigConflictError",
     "CorruptManifestError",
     "CorruptPackError",
     "CorruptRepoError",
     "DeltaPolicy",
     "GcError",
+    "InsufficientSpaceError",
     "IntegrityError",
     "InvalidNameError",
     "LayoutMismatchError",

@@ -70,6 +70,11 @@ class StorageFullError(LuopanError, OSError):
     """The store ran out of space during a save; nothing partial was committed."""
 
 
+class InsufficientSpaceError(StorageFullError):
+    """The space preflight of a save found less free space than the estimated new bytes times the margin; nothing
+    was written. ``needed``, ``free``, ``estimate`` (bytes) and ``gc_frees`` / ``prune_frees`` say what would help."""
+
+
 class IntegrityError(LuopanError, ValueError):
     """Stored data does not match its recorded hash or structure."""
 

@@ -333,6 +333,35 @@ def _collect(repo: Repo, grace: float, repack_below: float, dry_run: bool, now: 
     return report
 
 
+def reclaimable(repo: Repo) -> tuple[int, int]:
+    """(bytes gc would free now, bytes pruning every checkpoint but the newest and pinned ones of each run would free
+    on top), at pack granularity, without changing anything (no lock: an estimate for error messages)."""
+    store = repo.store
+    manifests = _all_manifests(repo)
+    newest: dict[str, int] = {}
+    for _key, m in manifests:
+        newest[m.run] = max(newest.get(m.run, -1), m.step)
+    pinned = {(r, s) for r in newest for s in repo.run(r).pins()}
+    live_all: set[str] = set()
+    live_min: set[str] = set()
+    for _key, m in manifests:
+        packs = set(m.doc["packs"])
+        live_all |= packs
+        if m.step == newest[m.run] or (m.run, m.step) in pinned:
+            live_min |= packs
+    gc_bytes = prune_bytes = 0
+    for pack, key in _list_packs(store).items():
+        try:
+            size = store.size(key)
+        except KeyNotFound:
+            continue
+        if pack not in live_all:
+            gc_bytes += size
+        elif pack not in live_min:
+            prune_bytes += size
+    return gc_bytes, prune_bytes
+
+
 def _index_packs(store: Store, key: str) -> list[str]:
     try:
         return list(unseal(store.get(key))["packs"])

@@ -41,6 +41,7 @@ LOCK_PREFIX = "locks/"
 REFRESH_SECONDS = 120.0
 STALE_SECONDS = 30 * 60.0
 DEFAULT_TIMEOUT = 600.0
+WAITING_SECONDS = 30.0  # a waiting marker older than this (its save died or gave up) no longer holds gc back
 
 
 def _pidns() -> str:
@@ -77,7 +78,7 @@ _HOST = socket.gethostname()
 @dataclass(frozen=True)
 class LockRecord:
     key: str
-    kind: str  # "shared" | "exclusive"
+    kind: str  # "shared" | "exclusive" | "waiting" (a save blocked by an exclusive lock: not a lock)
     op: str
     host: str
     pid: int
@@ -117,6 +118,8 @@ class LockRecord:
 
     def describe(self) -> str:
         when = datetime.fromtimestamp(self.created, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        if self.kind == "waiting":
+            return f"{self.op} by pid {self.pid} on {self.host}, waiting for an exclusive lock to end, since {when}"
         return f"{self.kind} lock for {self.op} by pid {self.pid} on {self.host} since {when}"
 
     def to_json(self) -> dict[str, Any]:
@@ -190,6 +193,10 @@ class Lock:
 
     def _write(self) -> None:
         self.store.put(self.key, self._record())
+        self._written = time.time()
+
+    def age_now(self) -> float:
+        return time.time() - getattr(self, "_written", 0.0)
 
     def _start_refreshing(self) -> None:
         stop = self._stop = threading.Event()
@@ -222,11 +229,12 @@ class Lock:
         self.release()
 
 
-def _blockers(store: Store, kind: str, own: str | None) -> list[LockRecord]:
-    """Locks that keep a lock of ``kind`` from being held, after removing ones whose holder is certainly gone."""
-    out = []
+def _survey(store: Store, kind: str, own: str | None) -> tuple[list[LockRecord], list[LockRecord]]:
+    """(locks that keep a lock of ``kind`` from being held, fresh waiting markers of blocked saves), after removing
+    records whose holder is certainly gone."""
+    blockers, waiting = [], []
     for rec in list_locks(store):
-        if rec.key == own or (kind == "shared" and rec.kind == "shared"):
+        if rec.key == own:
             continue
         if rec.holder_gone():
             try:
@@ -234,11 +242,16 @@ def _blockers(store: Store, kind: str, own: str | None) -> list[LockRecord]:
             except OSError:
                 pass
             else:
-                warnings.warn(f"removed a stale repository lock ({rec.describe()}: the process is gone)",
-                              stacklevel=4)
+                if rec.kind != "waiting":
+                    warnings.warn(f"removed a stale repository lock ({rec.describe()}: the process is gone)",
+                                  stacklevel=4)
                 continue
-        out.append(rec)
-    return out
+        if rec.kind == "waiting":
+            if rec.age < WAITING_SECONDS:
+                waiting.append(rec)
+        elif not (kind == "shared" and rec.kind == "shared"):
+            blockers.append(rec)
+    return blockers, waiting
 
 
 def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT_TIMEOUT,
@@ -246,45 +259,55 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
     """Take a ``kind`` ("shared" or "exclusive") lock for operation ``op``, waiting up to ``timeout`` seconds
     (None: forever) while other holders finish. Raises LockedError naming the holders and how to break a stale one.
 
-    An exclusive locker keeps its record in place while it waits for shared holders to finish, and new shared
-    lockers wait behind it, so a stream of saves cannot starve prune/gc. Of two exclusive lockers the older record
-    wins; the younger withdraws until the older is gone.
+    Fair both ways: an exclusive locker keeps its record in place while it waits for shared holders to finish, and
+    new shared lockers wait behind it, so a stream of saves cannot starve prune/gc; a save blocked by an exclusive
+    lock posts a *waiting* marker, and no new exclusive lock is taken while one is fresh, so a gc loop cannot starve
+    saves either. Of two exclusive lockers the older record wins; the younger withdraws until the older is gone.
     """
     if kind not in ("shared", "exclusive"):
         raise ValueError(f"lock kind must be 'shared' or 'exclusive', not {kind!r}")
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.02
     lock = Lock(store, kind, op)
+    marker: Lock | None = None  # a shared locker's waiting marker
     posted = False
     try:
         while True:
-            blockers = _blockers(store, kind, lock.key if posted else None)
+            blockers, waiting = _survey(store, kind, lock.key if posted else None)
             if kind == "exclusive":
                 ahead = [b for b in blockers if b.kind != "shared" and (b.created, b.key) < (lock._created, lock.key)]
                 if posted and ahead:  # an older exclusive locker: give way to it
                     lock.release()
                     posted = False
-                elif not posted and not [b for b in blockers if b.kind != "shared"]:
+                elif not posted and not waiting and not [b for b in blockers if b.kind != "shared"]:
                     lock._write()
                     posted = True
                     lock._start_refreshing()
-                    blockers = _blockers(store, kind, lock.key)
+                    blockers, _ = _survey(store, kind, lock.key)
                 if posted and not blockers:
                     return lock
             elif not blockers:
                 lock._write()
-                if not _blockers(store, kind, lock.key):
+                if not _survey(store, kind, lock.key)[0]:
                     lock._start_refreshing()
                     return lock
                 store.delete(lock.key)  # an exclusive locker came in between: give way, try again
+            elif marker is None or marker.age_now() > WAITING_SECONDS / 3:
+                if marker is not None:
+                    marker.release()
+                marker = Lock(store, "waiting", op)
+                marker._write()
             if deadline is not None and time.monotonic() >= deadline:
-                raise _locked_error(store, kind, op, blockers, where)
+                raise _locked_error(store, kind, op, blockers or waiting, where)
             time.sleep(pause * (0.5 + random.random()))
-            pause = min(pause * 1.5, 1.0)
+            pause = min(pause * 1.5, 0.5)
     except BaseException:
         if posted:
             lock.release()
         raise
+    finally:
+        if marker is not None:
+            marker.release()
 
 
 def _locked_error(store: Store, kind: str, op: str, blockers: list[LockRecord], where: str | None) -> LockedError:

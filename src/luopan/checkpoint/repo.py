@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from ..errors import (
     CheckpointNotFoundError,
     ConfigConflictError,
     CorruptRepoError,
+    InsufficientSpaceError,
     IntegrityError,
     LuopanError,
     NotARepositoryError,
@@ -40,7 +42,9 @@ from ..format.names import (
 )
 from ..format.pack import BlobLocation
 from ..locks import DEFAULT_TIMEOUT, locked
-from ..store import Store, open_store
+
+DEFAULT_SPACE_MARGIN = 1.5
+from ..store import MemoryStore, Store, open_store
 from ..store.base import KeyNotFound
 from ..store.local import TMP_MARK
 from ..tree import Leaf, flatten, new_array, unflatten
@@ -88,15 +92,41 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     pack_size: int | None = None,
     compression: str | Compression | None = None,
     delta_policy: DeltaPolicy | None = None,
+    replicate_to: str | os.PathLike[str] | Store | None = None,
+    local_retention: Any = None,
+    cold: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    replicate: bool = True,
+    lock_timeout: float | None = DEFAULT_TIMEOUT,
+    space_margin: float = DEFAULT_SPACE_MARGIN,
 ) -> Repo:
     """Open the repository at a path/URL, creating it (with the given options) when missing and ``create``.
 
     Options apply at creation; on an existing repository, an option that differs from its config is an error.
     ``delta_policy`` (not stored: it steers this process's saves) says which tables are stored as row deltas.
+
+    Tiered storage (docs/format.md §10.2, luopan.tier): ``replicate_to`` (a URL or path, recorded in the local
+    ``tier/config.json`` so later opens need not repeat it) gets every committed checkpoint copied in the
+    background; ``local_retention`` (luopan.retention rules) evicts local copies once the remote has them;
+    ``cold=luopan.ColdPolicy(url, older_than="7d")`` names where ``repo.apply_cold_policy()`` moves old checkpoints.
+    ``lock_timeout`` (seconds, default 600; None waits forever) is how long a save waits for a prune/gc holding the
+    exclusive lock, and prune/gc for saves (docs/format.md §9.2). ``space_margin`` (default 1.5; 0 turns it off):
+    a save first checks that the disk has this many times its estimated new bytes free (§10.4).
+    ``storage_options`` go to the object-store filesystem of the repository's URL and of those URLs (e.g.
+    ``{"endpoint_url": …, "key": …, "secret": …}`` for S3). ``replicate=False`` opens a tiered
+    repository without starting replication (reads still fall back to the remote; used by the CLI).
     """
     if sys.byteorder != "little":  # docs/format.md §5: entries are stored little-endian, as in host memory
         raise LuopanError("luopan repositories are little-endian; this big-endian host cannot read or write them")
-    store = open_store(location)
+    if lock_timeout is not None and not lock_timeout >= 0:
+        raise ValueError(f"lock_timeout must be >= 0 seconds (or None to wait forever), got {lock_timeout}")
+    if not space_margin >= 0:
+        raise ValueError(f"space_margin must be >= 0 (0 turns the free-space check off), got {space_margin}")
+    store = open_store(location, **(storage_options or {}) if _is_object_url(location) else {})
+    from .. import tier as _tier
+
+    tiering = _tier.setup(store, replicate_to=replicate_to, local_retention=local_retention, cold=cold,
+                          storage_options=storage_options)
     try:
         config = RepoConfig.from_bytes(store.get(CONFIG_KEY), _where(store))
     except KeyNotFound:
@@ -116,7 +146,19 @@ def open(  # noqa: A001  (the public verb is luopan.open)
                     "options apply only when a repository is created"
                 )
     store.cleanup_temporaries()
-    return Repo(store, config, delta_policy)
+    repo = Repo(tiering.store if tiering is not None else store, config, delta_policy)
+    repo.lock_timeout = lock_timeout
+    repo.space_margin = space_margin
+    if tiering is not None:
+        return _tier.attach(repo, tiering, start=replicate)
+    return repo
+
+
+def _is_object_url(location: Any) -> bool:
+    from ..store.fsspec_store import OBJECT_STORE_SCHEMES
+
+    return isinstance(location, str) and "://" in location and location.split("://", 1)[0].lower() in \
+        OBJECT_STORE_SCHEMES
 
 
 def init(location: str | os.PathLike[str] | Store, **options: Any) -> Repo:
@@ -140,6 +182,13 @@ def _create(store: Store, chunk_size: int | None, pack_size: int | None,
             f"{root} exists, is not empty and is not a luopan repository: refusing to create one there; "
             "choose an empty or new directory"
         )
+    if root is None and not isinstance(store, MemoryStore):  # an object-store prefix (or another backend)
+        stray = next(iter(store.list("")), None)
+        if stray is not None:
+            raise NotARepositoryError(
+                f"{_where(store)} already holds objects (e.g. {stray!r}) and is not a luopan repository: refusing "
+                "to create one there; choose an empty prefix (e.g. s3://bucket/new-prefix)"
+            )
     kwargs: dict[str, Any] = {"compression": Compression.parse(compression)}
     if chunk_size is not None:
         kwargs["chunk_size"] = chunk_size
@@ -169,6 +218,9 @@ class Repo:
         self._worker: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a save waits for prune/gc (None: forever)
+        self.space_margin: float = DEFAULT_SPACE_MARGIN  # preflight: free space needed / estimated bytes (0: off)
+        self._last_saved: dict[str, tuple[tuple[Any, ...], int]] = {}  # run -> (structure, stored bytes) of last save
+        self.tier: Any = None  # luopan.tier.Tier of a tiered repository (docs/format.md §10.2)
 
     def __repr__(self) -> str:
         return f"luopan.Repo({self.store.describe()!r})"
@@ -190,6 +242,28 @@ class Repo:
             self._buffers.clear()
             self._versions.clear()
             self._tracks.clear()
+            if self.tier is not None:  # stops after the pack in progress; the rest stays pending for the next open
+                self.tier.close()
+
+    # -- tiered storage (luopan.tier, docs/format.md §10.2) ------------------------------------------------------
+    def replication_status(self, run: str) -> dict[int, str]:
+        """step -> "local" | "replicating" | "replicated" | "remote" (evicted locally) | "cold" of a tiered repo."""
+        return self._tiered().status(run)
+
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Block until every checkpoint queued for replication is confirmed on the remote (True), or ``timeout``
+        seconds pass (False). ReplicationError names checkpoints that cannot be replicated."""
+        return self._tiered().wait(timeout)
+
+    def apply_cold_policy(self, now: Any = None, *, dry_run: bool = False) -> list[tuple[str, int]]:
+        """Move checkpoints older than the cold policy's threshold (not pinned, already replicated) to the cold
+        store; returns the (run, step) moved."""
+        return self._tiered().apply_cold_policy(now, dry_run=dry_run)
+
+    def _tiered(self) -> Any:
+        if self.tier is None:
+            raise LuopanError(f"{_where(self.store)} is not a tiered repository: open it with replicate_to=URL")
+        return self.tier
 
     # -- saving -------------------------------------------------------------------------------------------------
     def save(
@@ -306,8 +380,56 @@ class Repo:
         seen = self._versions.get(run, {})
         unchanged = frozenset(i for i, (path, rec) in versions.items()
                               if path in seen and _same_version(seen[path], rec))
-        return _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
+        plan = _SavePlan(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
                          {path: rec for path, rec in versions.values()}, unchanged, _hints(touched_rows, leaves))
+        self._preflight(plan)
+        return plan
+
+    def _preflight(self, plan: _SavePlan) -> None:
+        """Refuse a save, before anything is written, when the store has less free space than ``space_margin`` times
+        the bytes it is expected to write (docs/format.md §10.4).
+
+        The estimate: what this process's previous save of the run wrote (its stored bytes) when the state has the
+        same structure — incremental saves write about the same each time — else the state's bytes, minus tensors
+        known unchanged (trust_versions). A save that writes more than estimated still fails cleanly on a full disk.
+        """
+        margin = self.space_margin
+        if not margin:
+            return
+        free = self.store.free_bytes()
+        if free is None:
+            return
+        logical = sum(leaf.nbytes for i, leaf in enumerate(plan.leaves)
+                      if leaf.alias_of is None and i not in plan.unchanged)
+        previous = self._last_saved.get(plan.run)
+        paths = tuple((leaf.path, leaf.dtype, tuple(leaf.shape)) for leaf in plan.leaves)
+        estimate = logical if previous is None or previous[0] != paths else min(logical, previous[1])
+        estimate += 64 << 10  # manifest, index file, ref
+        needed = int(estimate * margin)
+        if free >= needed:
+            return
+        from ..gc import reclaimable
+
+        try:
+            gc_frees, prune_frees = reclaimable(self)
+        except LuopanError:
+            gc_frees = prune_frees = None
+        help_text = []
+        if gc_frees:
+            help_text.append(f"`luopan gc --grace 0 -r {_where(self.store)}` would free {_human(gc_frees)} now")
+        if prune_frees:
+            help_text.append(f"pruning every checkpoint except the newest (and pinned) of each run, then gc, would "
+                             f"free up to {_human(prune_frees)} more (`luopan prune RUN --keep-last N`)")
+        if not help_text:
+            help_text.append("gc and prune would free nothing here: free space elsewhere on that disk")
+        err = InsufficientSpaceError(
+            28, f"not enough free space to save run {plan.run!r} step {plan.step}: about {_human(estimate)} to write, "
+            f"needing {_human(needed)} with the {margin:g}x margin, but only {_human(free)} is free on "
+            f"{_where(self.store)}; nothing was written. " + "; ".join(help_text)
+            + ". (Lower the margin with luopan.open(..., space_margin=1.0), or 0 to turn the check off.)")
+        err.needed, err.free, err.estimate = needed, free, estimate  # type: ignore[attr-defined]
+        err.gc_frees, err.prune_frees = gc_frees, prune_frees  # type: ignore[attr-defined]
+        raise err
 
     def run(self, name: str) -> Run:
         """A run's record (written by its first save) and eval logs: ``repo.run("a").log_eval(step, metrics,
@@ -328,16 +450,21 @@ class Repo:
                 warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
             self._recorded.add(plan.run)
         known = self._chunk_index()
-        result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton, plan.leaves,
-                                  plan.metrics, plan.metadata, plan.overwrite, self._previous_rows(plan.run),
-                                  plan.unchanged, self._tracks.get(plan.run), plan.hints, self.delta_policy,
-                                  plan.snapshot, self._intact_packs)
+        with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
+            result = write_checkpoint(self.store, self.config, known, plan.run, plan.step, plan.skeleton,
+                                      plan.leaves, plan.metrics, plan.metadata, plan.overwrite,
+                                      self._previous_rows(plan.run), plan.unchanged, self._tracks.get(plan.run),
+                                      plan.hints, self.delta_policy, plan.snapshot, self._intact_packs)
         known.update(result.new_locations)
+        self._last_saved[plan.run] = (tuple((leaf.path, leaf.dtype, tuple(leaf.shape)) for leaf in plan.leaves),
+                                      result.doc["stats"]["stored_bytes"])
         self._previous[plan.run] = _entries_by_path(result.doc)
         self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
         if result.index_key is not None:
             self._indexes_seen.add(result.index_key)  # already in `known`; re-reading it would undo verify's drops
+        if self.tier is not None:
+            self.tier.committed(plan.run, plan.step)  # queue it for background replication
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
 
     def _previous_rows(self, run: str) -> dict[str, dict[str, Any]]:
@@ -621,7 +748,16 @@ class Repo:
         """
         from ..gc import DEFAULT_GRACE, DEFAULT_REPACK_BELOW, collect
 
-        return collect(self, grace=DEFAULT_GRACE if grace is None else grace,
+        target: Repo = self
+        if self.tier is not None:
+            # A tiered repository collects its local tier only: marking from local manifests frees what eviction
+            # left behind, and nothing on the remote (a repository of its own: `luopan gc -r <remote URL>`) is
+            # touched. A manifest the repack rewrites locally needs no new copy: the remote's copy names the
+            # remote's own packs; one still pending replication is read afresh when its turn comes.
+            self._drain()
+            target = Repo(self.tier.local, self.config, self.delta_policy)
+            target.lock_timeout = self.lock_timeout
+        return collect(target, grace=DEFAULT_GRACE if grace is None else grace,
                        repack_below=DEFAULT_REPACK_BELOW if repack_below is None else repack_below,
                        dry_run=dry_run, progress=progress)
 
@@ -813,3 +949,11 @@ def _check_json(name: str, value: Any, kind: type) -> None:
             f"{name} must hold only JSON-storable values (str without lone surrogates, finite numbers, ints under "
             f"4300 digits, bool, None, lists, dicts): {exc}"
         ) from None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

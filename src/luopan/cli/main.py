@@ -57,7 +57,7 @@ def _handles_errors(fn: F) -> F:
 
 
 def _open(repo: str) -> Repo:
-    return repo_open(repo, create=False)
+    return repo_open(repo, create=False, replicate=False)  # a tiered repo: reads fall back, no replication here
 
 
 def human(n: float) -> str:
@@ -154,19 +154,22 @@ def ls(
         raise typer.Exit(_not_found(f"run {run!r} has no checkpoints"))
     for step, why in damaged:
         err.print(f"[bold red]DAMAGED[/] step {step}: {why}", highlight=False)
+    tiers = r.replication_status(run) if r.tier is not None else None  # tiered: local/replicating/replicated/…
     if as_json:
         _emit_json({"run": run, "damaged": [{"step": s, "error": w} for s, w in damaged], "checkpoints": [
             {"step": c.step, "created": c.created, "metrics": _json_safe(c.metrics),
              "logical_bytes": c.logical_bytes, "new_bytes": c.new_bytes, "stored_bytes": c.stored_bytes,
              "chunks": c.chunks, "new_chunks": c.new_chunks, "dedup_ratio": _json_ratio(c.dedup_ratio),
-             "fingerprint": c.fingerprint} for c in cps]})
+             "fingerprint": c.fingerprint, **({"tier": tiers.get(c.step)} if tiers is not None else {})}
+            for c in cps]})
         return
     t = Table(title=f"checkpoints of {run}")
-    for col in ("step", "time", "metrics", "logical", "written", "dedup"):
-        t.add_column(col, justify="left" if col in ("time", "metrics") else "right")
+    for col in ("step", "time", "metrics", "logical", "written", "dedup") + (("tier",) if tiers is not None else ()):
+        t.add_column(col, justify="left" if col in ("time", "metrics", "tier") else "right")
     for c in cps:
         t.add_row(str(c.step), c.created[:19], _metrics_text(c.metrics), human(c.logical_bytes),
-                  human(c.stored_bytes), _ratio(c.dedup_ratio))
+                  human(c.stored_bytes), _ratio(c.dedup_ratio), *((tiers.get(c.step, "?"),) if tiers is not None
+                                                                   else ()))
     out.print(t)
 
 
@@ -646,6 +649,8 @@ def _root(
 def main() -> None:
     app()
 
+
+from . import tier as _tier_commands  # noqa: E402,F401  (registers `replicate` and `cold` on app)
 
 if __name__ == "__main__":
     main()

@@ -83,5 +83,9 @@ class Store(abc.ABC):
         never deletes an unreferenced pack younger than its grace period (a save in progress may be writing it)."""
         return None
 
+    def free_bytes(self) -> int | None:
+        """Bytes free for new data where this store writes, or None when unknown or unbounded (object stores)."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__

@@ -21,6 +21,7 @@ from .base import Data, KeyNotFound, Store, as_parts
 
 TMP_MARK = ".tmp-"
 STALE_TMP_SECONDS = 24 * 3600
+FRESH_TMP_SECONDS = 60.0  # an unlocked temp file younger than this may be a writer's between open and flock
 _IOV_MAX = 1024
 _HOST = socket.gethostname().replace("-", "_")
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -254,6 +255,16 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise KeyNotFound(key) from None
 
+    def free_bytes(self) -> int | None:
+        path = self.root
+        while not os.path.isdir(path):  # a repository being created: the disk it will live on
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
     # -- conveniences -------------------------------------------------------------------------------------------
     def cleanup_temporaries(self) -> int:
         """Remove temp files whose writer is gone: ones whose flock can be taken (a live writer holds it until its
@@ -295,7 +306,9 @@ def _remove_if_abandoned(path: str) -> bool:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            abandoned = True
+            # Unlocked: its writer is gone — or has just created it and not yet taken the lock (a window of a few
+            # microseconds between open and flock). A young file counts only if its writer's pid is dead here.
+            abandoned = _abandoned_by_pid_or_age(path, FRESH_TMP_SECONDS)
         except BlockingIOError:
             return False  # a live writer holds it
         except OSError:
@@ -309,11 +322,11 @@ def _remove_if_abandoned(path: str) -> bool:
         os.close(fd)
 
 
-def _abandoned_by_pid_or_age(path: str) -> bool:
+def _abandoned_by_pid_or_age(path: str, max_age: float = STALE_TMP_SECONDS) -> bool:
     owner = os.path.basename(path).rsplit(TMP_MARK, 1)[1].split("-")
     try:
         host, pid = owner[0], int(owner[1])
         mtime = os.stat(path).st_mtime
     except (IndexError, ValueError, OSError):
         return False
-    return (host == _HOST and not _pid_alive(pid)) or time.time() - mtime > STALE_TMP_SECONDS
+    return (host == _HOST and not _pid_alive(pid)) or time.time() - mtime > max_age

@@ -1,0 +1,95 @@
+"""``luopan replicate`` and ``luopan cold``: the tiered-storage commands (docs/format.md §10.2).
+
+A tiered repository records its remote (and cold policy) in ``<repo>/tier/config.json``, so every command opens it
+as tiered without flags: ``luopan ls -r ckpts RUN`` shows each checkpoint's tier, ``luopan show``/``export`` read
+evicted checkpoints from the remote. Registered on the main app by luopan.cli.main.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ..checkpoint.repo import open as repo_open
+from ..retention import KeepLast, parse_keep_last
+from ..tier import ColdPolicy
+from .main import RepoOpt, _emit_json, _handles_errors, app, err, out
+
+
+@app.command()
+@_handles_errors
+def replicate(
+    repo: RepoOpt,
+    to: Annotated[Optional[str], typer.Option(
+        "--to", help="Remote URL or path to replicate to (recorded in the repository; needed the first time).")] = None,
+    keep_local: Annotated[Optional[str], typer.Option(
+        "--keep-local", metavar="N",
+        help="After replicating, keep only the newest N checkpoints of each run locally (plus pinned ones); "
+             "only checkpoints confirmed on the remote are evicted.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Give up waiting after this many seconds.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
+) -> None:
+    """Replicate every local checkpoint the remote lacks (resuming interrupted replication) and wait for it."""
+    rules: KeepLast | None = parse_keep_last(keep_local) if keep_local is not None else None
+    r = repo_open(repo, create=False, replicate_to=to, replicate=False)
+    try:
+        if r.tier is None or r.tier.remote is None:
+            err.print(f"[bold red]error:[/] {repo} has no remote yet: pass --to URL")
+            raise typer.Exit(1)
+        r.tier.local_retention = rules
+        r.tier.start()
+        done = r.wait_replicated(timeout)
+        if rules is not None:
+            for run in r.runs():
+                r.tier.evict(run, rules)
+        status = {run: r.replication_status(run) for run in r.runs()}
+    finally:
+        r.close()
+    if as_json:
+        _emit_json({"remote": r.tier.url, "done": done, "runs": {k: {str(s): v for s, v in st.items()}
+                                                                   for k, st in status.items()}})
+    else:
+        for run, st in status.items():
+            counts: dict[str, int] = {}
+            for v in st.values():
+                counts[v] = counts.get(v, 0) + 1
+            out.print(f"{run}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    if not done:
+        err.print("[bold red]error:[/] replication did not finish in time; run `luopan replicate` again to resume "
+                  f"(last error: {r.tier.last_error})")
+        raise typer.Exit(1)
+
+
+@app.command()
+@_handles_errors
+def cold(
+    repo: RepoOpt,
+    to: Annotated[Optional[str], typer.Option(
+        "--to", help="Cold store URL or path (recorded in the repository; needed the first time).")] = None,
+    older_than: Annotated[Optional[str], typer.Option(
+        "--older-than", help="Move checkpoints older than this (e.g. 7d, 36h; default: the recorded policy, "
+                             "else 7d).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be moved.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Move checkpoints that are not pinned, already replicated and older than a threshold to the cold store."""
+    policy = None
+    if to is not None:
+        policy = ColdPolicy(to, older_than or "7d")
+    r = repo_open(repo, create=False, cold=policy, replicate=False)
+    try:
+        if r.tier is None or r.tier.cold is None:
+            err.print(f"[bold red]error:[/] {repo} has no cold store yet: pass --to URL")
+            raise typer.Exit(1)
+        if older_than is not None and policy is None:
+            r.tier.cold = ColdPolicy(r.tier.cold.url, older_than, r.tier.cold.storage_options)
+        moved = r.apply_cold_policy(dry_run=dry_run)
+    finally:
+        r.close()
+    if as_json:
+        _emit_json({"dry_run": dry_run, "moved": [{"run": a, "step": s} for a, s in moved]})
+        return
+    verb = "would move" if dry_run else "moved"
+    out.print(f"{verb} {len(moved)} checkpoint(s) to {r.tier.cold.url}"
+              + "".join(f"\n  {a} step {s}" for a, s in moved))
