@@ -484,3 +484,17 @@ def test_gc_of_a_tiered_repository_frees_the_local_copies_of_evicted_checkpoints
     assert repo.wait_replicated(60)
     assert luopan.open(remote_dir, create=False).verify().checkpoints == 5
     repo.close()
+
+
+def test_cli_tier_commands_refuse_bad_values_as_usage_errors(tmp_path):
+    repo = luopan.open(tmp_path / "local")
+    repo.save("a", 1, make_state(1))
+    repo.close()
+    runner = CliRunner()
+    r = runner.invoke(app, ["replicate", "-r", str(tmp_path / "local"), "--to", str(tmp_path / "remote"),
+                            "--keep-local", "abc"])
+    assert r.exit_code == 2 and "--keep-local" in r.output
+    r = runner.invoke(app, ["cold", "-r", str(tmp_path / "local"), "--to", str(tmp_path / "cold"),
+                            "--older-than", "soon"])
+    assert r.exit_code == 2 and "--older-than" in r.output
+    assert not (tmp_path / "remote").exists() and not (tmp_path / "cold").exists()  # nothing created

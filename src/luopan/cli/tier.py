@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..checkpoint.repo import open as repo_open
-from ..retention import KeepLast, parse_keep_last
+from ..retention import KeepLast, parse_duration, parse_keep_last
 from ..tier import ColdPolicy
 from .main import RepoOpt, _emit_json, _handles_errors, app, err, out
 
@@ -31,7 +31,10 @@ def replicate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
 ) -> None:
     """Replicate every local checkpoint the remote lacks (resuming interrupted replication) and wait for it."""
-    rules: KeepLast | None = parse_keep_last(keep_local) if keep_local is not None else None
+    try:
+        rules: KeepLast | None = parse_keep_last(keep_local) if keep_local is not None else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).replace("--keep-last", "--keep-local")) from None
     r = repo_open(repo, create=False, replicate_to=to, replicate=False)
     try:
         if r.tier is None or r.tier.remote is None:
@@ -74,6 +77,11 @@ def cold(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Move checkpoints that are not pinned, already replicated and older than a threshold to the cold store."""
+    if older_than is not None:
+        try:
+            parse_duration(older_than)
+        except ValueError as exc:
+            raise typer.BadParameter(f"--older-than: {exc}") from None
     policy = None
     if to is not None:
         policy = ColdPolicy(to, older_than or "7d")
