@@ -324,25 +324,32 @@ def test_preflight_refuses_before_writing_and_says_what_gc_and_prune_free(small_
     repo.verify()
 
 
-def test_preflight_estimates_from_the_previous_save_of_the_run(tmp_path):
-    """An incremental save needs room for what it will write, not for the whole state: after a first save the
-    estimate is what the previous save of the run wrote."""
+def test_preflight_estimates_from_the_previous_checkpoint_of_the_run(tmp_path):
+    """An incremental save needs room for what it will write, not for the whole state: when the whole state does
+    not fit, the estimate counts only chunks that differ from the run's previous checkpoint (this process's last
+    save, or after a restart the newest on disk)."""
     repo = luopan.open(tmp_path / "r", chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
     free = {"bytes": 10**12}
     repo.store.free_bytes = lambda: free["bytes"]  # this store's disk, as the preflight sees it
     frozen = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float32)  # 7.6 MiB
     big = {"frozen": frozen, "adapter": np.ones(1000, np.float32)}
     repo.save(RUN, 0, big)
-    big["adapter"] += 1
-    info1 = repo.save(RUN, 1, big)
-    assert info1.stored_bytes < 64 << 10  # an incremental save: only the adapter's chunk
     free["bytes"] = 200 << 10  # room for the adapter, not for the state
     big["adapter"] += 1
-    repo.save(RUN, 2, big)  # the estimate is what step 1 wrote
-    # a fresh process (no previous save of this run) must assume the whole state may be new
+    info = repo.save(RUN, 1, big)  # only the adapter's chunk differs from step 0
+    assert info.stored_bytes < 64 << 10
+    # a fresh process: the newest checkpoint on disk serves as the previous one
     fresh = luopan.open(tmp_path / "r")
     fresh.store.free_bytes = lambda: 200 << 10
-    with pytest.raises(luopan.InsufficientSpaceError, match="about 7.7 MiB to write"):
+    big["adapter"] += 1
+    fresh.save(RUN, 2, big)
+    # a change to the frozen part, or a run without history, is counted in full
+    big["frozen"] = frozen + 1
+    with pytest.raises(luopan.InsufficientSpaceError, match="about 7.7 MiB to write") as exc:
         fresh.save(RUN, 3, big)
+    assert exc.value.estimate > frozen.nbytes
+    with pytest.raises(luopan.InsufficientSpaceError, match="about 7.7 MiB to write"):
+        fresh.save("other-run", 0, {"frozen": frozen, "adapter": big["adapter"]})
+    assert fresh.steps(RUN) == [0, 1, 2] and "other-run" not in fresh.runs()
     fresh.space_margin = 0  # the check can be turned off
     fresh.save(RUN, 3, big)

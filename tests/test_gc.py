@@ -339,3 +339,39 @@ def test_open_options_for_locks_and_space(tmp_path):
         with pytest.raises(ValueError):
             luopan.open(tmp_path / "new", **bad)
         assert not (tmp_path / "new").exists()  # refused before anything was created
+
+
+def test_bad_open_options_and_a_lock_record_taken_back_after_an_error(tmp_path, monkeypatch):
+    for bad in ({"space_margin": float("inf")}, {"space_margin": "2"}, {"lock_timeout": "5"},
+                {"storage_options": {"endpoint_url": "http://x"}}):
+        with pytest.raises(ValueError):
+            luopan.open(tmp_path / "new", **bad)
+    assert not (tmp_path / "new").exists()
+    # an error between writing a shared lock record and checking for exclusive holders takes the record back
+    repo = luopan.open(tmp_path / "r")
+    import luopan.locks as locks_mod
+
+    real = locks_mod.list_locks
+    calls = {"n": 0}
+
+    def flaky(store):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(store)
+
+    monkeypatch.setattr(locks_mod, "list_locks", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        repo.save("a", 1, {"x": np.ones(3)})
+    monkeypatch.setattr(locks_mod, "list_locks", real)
+    assert list_locks(repo.store) == []
+    assert repo.steps("a") == []
+    repo.gc(grace=0)  # not blocked by a leftover record
+
+
+def test_cli_grace_accepts_any_spelling_of_zero(tmp_path):
+    make_repo(tmp_path / "r", n=2)
+    for zero in ("0", "0.0", "00", "0s", "0h"):
+        r = CliRunner().invoke(app, ["gc", "-r", str(tmp_path / "r"), "--grace", zero, "--json"])
+        assert r.exit_code == 0, (zero, r.output)
+        assert '"grace": 0.0' in r.output

@@ -498,3 +498,53 @@ def test_cli_tier_commands_refuse_bad_values_as_usage_errors(tmp_path):
                             "--older-than", "soon"])
     assert r.exit_code == 2 and "--older-than" in r.output
     assert not (tmp_path / "remote").exists() and not (tmp_path / "cold").exists()  # nothing created
+
+
+def test_replication_goes_on_after_gc_replaced_the_index_files(tmp_path):
+    """gc consolidates index files; the replicator must not keep asking for the old ones (it stalled for good)."""
+    r = luopan.open(tmp_path / "l", replicate_to=str(tmp_path / "rem"), replicate=False)
+    r.save("a", 1, {"w": np.zeros(50_000, "f4")})
+    r.save("a", 2, {"w": np.ones(50_000, "f4")})
+    assert r.tier.replicate("a", 1)  # reads (and remembers) both index files
+    r.gc(grace=0)  # replaces them by one
+    assert r.tier.replicate("a", 2)
+    r.tier.start()
+    assert r.wait_replicated(20)
+    assert r.replication_status("a") == {1: "replicated", 2: "replicated"}
+    r.close()
+    assert luopan.open(tmp_path / "rem", create=False).verify().checkpoints == 2
+
+
+def test_overwrite_while_the_step_is_being_copied_is_copied_again(tmp_path, monkeypatch):
+    """An overwrite=True save of a step the replicator is copying: the remote ends with the new manifest, and
+    eviction never drops the local copy on the strength of the old one."""
+    in_commit, go = threading.Event(), threading.Event()
+    real = tier_mod.copy_checkpoint
+    calls = {"n": 0}
+
+    def slow_copy(*a, commit=None, **kw):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            return real(*a, commit=commit, **kw)
+
+        def paused(fn):
+            in_commit.set()
+            go.wait(10)
+            commit(fn)
+
+        return real(*a, commit=paused, **kw)
+
+    monkeypatch.setattr(tier_mod, "copy_checkpoint", slow_copy)
+    r = luopan.open(tmp_path / "repo", replicate_to=str(tmp_path / "remote"))
+    r.save("a", 1, {"x": np.zeros(1000)})
+    assert in_commit.wait(10)  # the replicator read version 1 and is about to commit it on the remote
+    r.save("a", 1, {"x": np.ones(1000)}, overwrite=True)
+    go.set()
+    assert r.wait_replicated(20)
+    assert r.replication_status("a") == {1: "replicated"}
+    assert luopan.open(tmp_path / "remote").load("a", 1)["x"][0] == 1.0
+    r.save("a", 2, {"x": np.full(1000, 2.0)})
+    assert r.wait_replicated(20)
+    assert r.tier.evict("a", KeepLast(1)) == [1]
+    assert r.load("a", 1)["x"][0] == 1.0  # from the remote, the overwritten version
+    r.close()

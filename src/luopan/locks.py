@@ -288,10 +288,12 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
                     return lock
             elif not blockers:
                 lock._write()
+                posted = True  # from here an error (or Ctrl-C) must take the record back
                 if not _survey(store, kind, lock.key)[0]:
                     lock._start_refreshing()
                     return lock
                 store.delete(lock.key)  # an exclusive locker came in between: give way, try again
+                posted = False
             elif marker is None or marker.age_now() > WAITING_SECONDS / 3:
                 if marker is not None:
                     marker.release()
@@ -320,7 +322,8 @@ def _locked_error(store: Store, kind: str, op: str, blockers: list[LockRecord], 
         lines.append(f"{rec.describe()}" + (f" — looks stale: {reason}" if reason else ""))
     advice = (f"if that process is gone, remove stale locks with `luopan unlock -r {repo}`" if stale else
               f"wait for it to finish, or if you are sure it is gone, `luopan unlock --all -r {repo}`")
-    return LockedError(f"cannot take a {kind} lock for {op} on {repo}: held by\n  " + "\n  ".join(lines)
+    article = "an" if kind == "exclusive" else "a"
+    return LockedError(f"cannot take {article} {kind} lock for {op} on {repo}: held by\n  " + "\n  ".join(lines)
                        + f"\n{advice}")
 
 

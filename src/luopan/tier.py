@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ._crash import crashpoint
 from .errors import ConfigConflictError, CorruptRepoError, InvalidNameError, LuopanError
 from .format import BASE_FORMAT_VERSION
-from .format.canonical import SealError, seal, unseal
+from .format.canonical import SealError, seal, sealed_checksum, unseal
 from .format.config import CONFIG_KEY, RepoConfig
 from .format.manifest import parse_manifest
 from .format.names import check_run, manifest_key, manifest_prefix, pack_key, step_from_manifest_key
@@ -208,6 +208,9 @@ class TieredStore(Store):
     def cleanup_temporaries(self) -> int:
         return self.local.cleanup_temporaries()
 
+    def free_bytes(self) -> int | None:
+        return self.local.free_bytes()  # saves write to the local tier only
+
     def describe(self) -> str:
         return self.local.describe()
 
@@ -272,8 +275,15 @@ class _IndexMap:
         self._by_pack: dict[str, set[str]] = {}
 
     def lookup(self, src: Store, packs: set[str]) -> dict[str, set[str]]:
-        if any(p not in self._by_pack for p in packs):
-            for key in src.list("index/"):
+        if any(p not in self._by_pack for p in packs) or self._seen:
+            keys = [k for k in src.list("index/") if k.endswith(".json")]
+            if not self._seen.issubset(keys):  # gc consolidated the index files: forget what they said
+                self._seen.clear()
+                self._packs.clear()
+                self._by_pack.clear()
+            if all(p in self._by_pack for p in packs):
+                keys = []
+            for key in keys:
                 if key in self._seen or not key.endswith(".json"):
                     continue
                 try:
@@ -348,7 +358,10 @@ def copy_checkpoint(src: Store, dst: Store, run: str, step: int, *, indexes: _In
         if dst.exists(ikey):
             continue
         if all(p in on_dst or dst.exists(pack_key(p)) for p in named):  # rule 1: packs before their index
-            idata = src.get(ikey)
+            try:
+                idata = src.get(ikey)
+            except KeyNotFound:  # gc replaced it meanwhile: index files only steer dedup, skip it
+                continue
             dst.put_if_absent(ikey, idata)
             _verify_small(dst, ikey, idata)
     for key in (record_key(run), pin_key(run, step)):
@@ -472,6 +485,7 @@ class Tier:
         self._queue: deque[tuple[str, int]] = deque()
         self._queued: set[tuple[str, int]] = set()
         self._current: tuple[str, int] | None = None
+        self._again: set[tuple[str, int]] = set()
         self._saving = 0
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -537,6 +551,8 @@ class Tier:
 
     def _enqueue(self, run: str, step: int) -> None:
         with self._cv:
+            if self._current == (run, step):
+                self._again.add((run, step))  # changed while being copied (overwrite=True): copy it once more
             if (run, step) not in self._queued:
                 self._queued.add((run, step))
                 self._queue.append((run, step))
@@ -563,8 +579,7 @@ class Tier:
         out = []
         runs = {k.split("/")[1] for k in self.local.list("runs/") if k.count("/") == 3 and "/ckpt/" in k}
         for run in sorted(runs):
-            done = self._marked("replicated", run)
-            out += [(run, s) for s in sorted(self._local_steps(run) - done)]
+            out += [(run, s) for s in sorted(self._local_steps(run)) if not self._confirmed(run, s)]
         return out
 
     def status(self, run: str) -> dict[int, str]:
@@ -578,7 +593,7 @@ class Tier:
             current = self._current
         out: dict[int, str] = {}
         for step in local:
-            if step in done and step not in pending:
+            if step in done and step not in pending and self._confirmed(run, step):
                 out[step] = "replicated"
             elif current == (run, step) or (step in pending and self._pending_elsewhere(run, step)):
                 out[step] = "replicating"
@@ -660,7 +675,11 @@ class Tier:
                     warnings.warn(f"local eviction of run {item[0]!r} failed: {exc}", stacklevel=1)
             with self._cv:
                 self._queue.popleft()
-                self._queued.discard(item)
+                if item in self._again:
+                    self._again.discard(item)
+                    self._queue.append(item)
+                else:
+                    self._queued.discard(item)
                 self._current = None
                 self._cv.notify_all()
 
@@ -716,11 +735,33 @@ class Tier:
         if data is None or not self.local.exists(manifest_key(run, step)):
             self.local.delete(pending_key(run, step))  # pruned meanwhile: nothing to replicate
             return False
+        try:
+            now_local = self.local.get(manifest_key(run, step))
+        except KeyNotFound:
+            self.local.delete(pending_key(run, step))
+            return False
+        if now_local != data:  # saved again (overwrite=True) while we copied: copy the new one
+            raise ReplicationError(f"run {run!r} step {step} changed during replication; copying it again")
+        # The marker names the manifest it confirms: if an overwrite lands after this point, eviction and the next
+        # open see that the local manifest is no longer the one confirmed (_confirmed).
         self.local.put(replicated_key(run, step), seal({"format_version": BASE_FORMAT_VERSION, "run": run,
                                                         "step": step, "replicated": _now(),
-                                                        "remote": self.remote.describe()}))
+                                                        "remote": self.remote.describe(),
+                                                        "manifest_checksum": sealed_checksum(data)}))
         self.local.delete(pending_key(run, step))
         return True
+
+    def _confirmed(self, run: str, step: int) -> bool:
+        """Whether the remote holds exactly the local manifest of ``step`` (its replicated marker names it)."""
+        try:
+            marker = unseal(self.local.get(replicated_key(run, step)))
+        except (KeyNotFound, SealError):
+            return False
+        try:
+            local = self.local.get(manifest_key(run, step))
+        except KeyNotFound:
+            return True  # evicted: only the remote has it, as confirmed
+        return marker.get("manifest_checksum") == sealed_checksum(local)
 
     def _mark_started(self, run: str, step: int) -> None:
         try:
@@ -756,11 +797,10 @@ class Tier:
         if not items:
             return []
         decided = plan(items, rules)
-        done = self._marked("replicated", run)
         evicted = []
         for step in decided.remove:
-            if step not in done:
-                continue  # never evict what the remote has not confirmed
+            if not self._confirmed(run, step):
+                continue  # never evict what the remote has not confirmed (or an older version of it)
             if not self.remote.exists(manifest_key(run, step)):
                 self.local.delete(replicated_key(run, step))  # the remote lost it: replicate it again
                 self._enqueue(run, step)
@@ -839,6 +879,18 @@ def setup(location: Store, *, replicate_to: Any, local_retention: Any, cold: Col
     ``replicate_to=None`` uses the remote recorded in ``tier/config.json`` by an earlier tiered open; a URL given
     is recorded there (a different one than recorded is refused). Returns (store, settings to record).
     """
+    if local_retention is not None:
+        from .retention import Retention, RetentionRule, _rule_list
+
+        try:
+            rules = local_retention if isinstance(local_retention, RetentionRule) else Retention(
+                *_rule_list(local_retention))
+            if isinstance(rules, Retention) and not rules.rules:
+                raise ValueError("no rule given")
+        except (TypeError, ValueError) as exc:
+            raise InvalidNameError(
+                f"local_retention must be luopan.retention rules, e.g. KeepLast(2) | KeepBest(1, 'loss'): {exc}"
+            ) from None
     if isinstance(location, TieredStore):
         return TierSetup(location, {}, None, local_retention, cold)
     recorded = read_tier_config(location) or {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -13,6 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from ..errors import (
     CheckpointExistsError,
@@ -40,6 +43,7 @@ from ..format.names import (
     manifest_prefix,
     step_from_manifest_key,
 )
+from ..format.chunking import chunk_spans
 from ..format.pack import BlobLocation
 from ..locks import DEFAULT_TIMEOUT, locked
 
@@ -118,10 +122,15 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     """
     if sys.byteorder != "little":  # docs/format.md §5: entries are stored little-endian, as in host memory
         raise LuopanError("luopan repositories are little-endian; this big-endian host cannot read or write them")
-    if lock_timeout is not None and not lock_timeout >= 0:
-        raise ValueError(f"lock_timeout must be >= 0 seconds (or None to wait forever), got {lock_timeout}")
-    if not space_margin >= 0:
-        raise ValueError(f"space_margin must be >= 0 (0 turns the free-space check off), got {space_margin}")
+    if lock_timeout is not None and not (_is_number(lock_timeout) and lock_timeout >= 0):
+        raise ValueError(f"lock_timeout must be a number of seconds >= 0 (or None to wait forever), got "
+                         f"{lock_timeout!r}")
+    if not (_is_number(space_margin) and 0 <= space_margin < math.inf):
+        raise ValueError(f"space_margin must be a finite number >= 0 (0 turns the free-space check off), got "
+                         f"{space_margin!r}")
+    if storage_options and not any(_is_object_url(u) for u in (location, replicate_to, getattr(cold, "url", None))):
+        raise ValueError(f"storage_options apply to object-store URLs (s3://…), and neither {location!r} nor a "
+                         "replicate_to/cold URL is one")
     store = open_store(location, **(storage_options or {}) if _is_object_url(location) else {})
     from .. import tier as _tier
 
@@ -152,6 +161,10 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     if tiering is not None:
         return _tier.attach(repo, tiering, start=replicate)
     return repo
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
 def _is_object_url(location: Any) -> bool:
@@ -219,7 +232,6 @@ class Repo:
         self._inflight: SaveHandle | None = None
         self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a save waits for prune/gc (None: forever)
         self.space_margin: float = DEFAULT_SPACE_MARGIN  # preflight: free space needed / estimated bytes (0: off)
-        self._last_saved: dict[str, tuple[tuple[Any, ...], int]] = {}  # run -> (structure, stored bytes) of last save
         self.tier: Any = None  # luopan.tier.Tier of a tiered repository (docs/format.md §10.2)
 
     def __repr__(self) -> str:
@@ -389,9 +401,10 @@ class Repo:
         """Refuse a save, before anything is written, when the store has less free space than ``space_margin`` times
         the bytes it is expected to write (docs/format.md §10.4).
 
-        The estimate: what this process's previous save of the run wrote (its stored bytes) when the state has the
-        same structure — incremental saves write about the same each time — else the state's bytes, minus tensors
-        known unchanged (trust_versions). A save that writes more than estimated still fails cleanly on a full disk.
+        The estimate is an upper bound first — the state's bytes, minus tensors known unchanged (trust_versions) —
+        and only when that does not fit is it refined: each chunk's XXH3-128 is compared with the same chunk of the
+        run's previous checkpoint (this process's last save, else the newest on disk), and only chunks that differ
+        count. A save that writes more than estimated still fails cleanly when the disk fills.
         """
         margin = self.space_margin
         if not margin:
@@ -401,11 +414,11 @@ class Repo:
             return
         logical = sum(leaf.nbytes for i, leaf in enumerate(plan.leaves)
                       if leaf.alias_of is None and i not in plan.unchanged)
-        previous = self._last_saved.get(plan.run)
-        paths = tuple((leaf.path, leaf.dtype, tuple(leaf.shape)) for leaf in plan.leaves)
-        estimate = logical if previous is None or previous[0] != paths else min(logical, previous[1])
-        estimate += 64 << 10  # manifest, index file, ref
-        needed = int(estimate * margin)
+        estimate = logical + (64 << 10)  # + manifest, index file, ref
+        if free >= estimate * margin:
+            return
+        estimate = self._changed_bytes(plan) + (64 << 10)
+        needed = math.ceil(estimate * margin)
         if free >= needed:
             return
         from ..gc import reclaimable
@@ -430,6 +443,31 @@ class Repo:
         err.needed, err.free, err.estimate = needed, free, estimate  # type: ignore[attr-defined]
         err.gc_frees, err.prune_frees = gc_frees, prune_frees  # type: ignore[attr-defined]
         raise err
+
+    def _changed_bytes(self, plan: _SavePlan) -> int:
+        """Bytes of the chunks of ``plan`` whose XXH3-128 differs from the same chunk of the run's previous
+        checkpoint (an estimate for the preflight; rows read from disk are fine for that, never for dedup)."""
+        previous = self._previous_rows(plan.run)
+        if not previous:
+            try:
+                previous = _entries_by_path(self.manifest(plan.run).doc)
+            except (CheckpointNotFoundError, IntegrityError, UnsupportedFormatError):
+                previous = {}
+        total = 0
+        for i, leaf in enumerate(plan.leaves):
+            if leaf.alias_of is not None or i in plan.unchanged or leaf.nbytes == 0:
+                continue
+            rows = previous.get(leaf.path, {}).get("chunks", [])
+            on_host = leaf.kind != "torch" or leaf.frozen is not None or leaf.obj.is_cpu
+            if not rows or not on_host:  # new entry, or on a device (copying it here would cost a transfer)
+                total += leaf.nbytes
+                continue
+            data = leaf.host_bytes()
+            for k, (off, length) in enumerate(chunk_spans(leaf.nbytes, leaf.shape, self.config.chunk_size)[1]):
+                row = rows[k] if k < len(rows) else None
+                if row is None or row[4] != length or row[6] != xxhash.xxh3_128_hexdigest(data[off:off + length]):
+                    total += length
+        return total
 
     def run(self, name: str) -> Run:
         """A run's record (written by its first save) and eval logs: ``repo.run("a").log_eval(step, metrics,
@@ -456,8 +494,6 @@ class Repo:
                                       self._previous_rows(plan.run), plan.unchanged, self._tracks.get(plan.run),
                                       plan.hints, self.delta_policy, plan.snapshot, self._intact_packs)
         known.update(result.new_locations)
-        self._last_saved[plan.run] = (tuple((leaf.path, leaf.dtype, tuple(leaf.shape)) for leaf in plan.leaves),
-                                      result.doc["stats"]["stored_bytes"])
         self._previous[plan.run] = _entries_by_path(result.doc)
         self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save

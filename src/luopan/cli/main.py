@@ -432,8 +432,12 @@ def unpin(
 def _grace(text: str) -> float:
     from ..retention import parse_duration
 
-    if text.strip() in ("0", "0s", "0m", "0h", "0d"):
-        return 0.0
+    zero = text.strip().lower().rstrip("smhdw")
+    try:
+        if zero and float(zero) == 0:
+            return 0.0
+    except ValueError:
+        pass
     try:
         return parse_duration(text)
     except ValueError as exc:
