@@ -375,3 +375,24 @@ def test_cli_grace_accepts_any_spelling_of_zero(tmp_path):
         r = CliRunner().invoke(app, ["gc", "-r", str(tmp_path / "r"), "--grace", zero, "--json"])
         assert r.exit_code == 0, (zero, r.output)
         assert '"grace": 0.0' in r.output
+
+
+def test_which_lock_holders_count_as_gone():
+    """Only what is certain: a dead or reused pid of this boot and pid namespace, or an earlier boot of this very
+    machine. A machine that shares the hostname, or another pid namespace, is never judged by its pid."""
+    import dataclasses
+
+    from luopan.locks import _HOST, _boot_id, _machine_id, _pidns, _start_time, LockRecord
+
+    me = LockRecord("locks/x.json", "shared", "save", _HOST, os.getpid(), _pidns(), _boot_id(), _machine_id(),
+                    _start_time(os.getpid()), 0.0, 0.0)
+    assert not me.holder_gone()
+    dead = subprocess.run([PYTHON, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert dataclasses.replace(me, pid=int(dead.stdout)).holder_gone()
+    if me.started is not None:  # /proc available: a reused pid runs a process with another start time
+        assert dataclasses.replace(me, started=me.started - 1).holder_gone()
+    assert not dataclasses.replace(me, pid=int(dead.stdout), pidns="pid:[1]").holder_gone()
+    assert not dataclasses.replace(me, pid=int(dead.stdout), host="elsewhere").holder_gone()
+    other_boot = dataclasses.replace(me, boot="another-boot-id")
+    assert other_boot.holder_gone() == bool(_machine_id())  # a reboot of this machine (needs a machine id)
+    assert not dataclasses.replace(other_boot, machine="another-machine-with-our-hostname").holder_gone()

@@ -64,6 +64,16 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            continue
+    return ""
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -84,6 +94,7 @@ class LockRecord:
     pid: int
     pidns: str
     boot: str
+    machine: str  # /etc/machine-id: tells "this host rebooted" from "another machine with the same hostname"
     started: int | None  # process start time (clock ticks since boot), or None
     created: float  # unix time
     refreshed: float
@@ -93,13 +104,14 @@ class LockRecord:
         return time.time() - self.refreshed
 
     def holder_gone(self) -> bool:
-        """True when the holder certainly is not running: on this host either the machine rebooted since, or (same
-        pid namespace) its pid is gone or now runs another process. Other hosts and namespaces: cannot tell."""
-        if self.host != _HOST:
+        """True when the holder certainly is not running: this very machine (same hostname and machine id) booted
+        again since, or, same boot and pid namespace, its pid is gone or now runs another process. A machine
+        that merely shares the hostname, or another pid namespace: cannot tell (only the age makes it stale)."""
+        if self.host != _HOST or self.machine != _machine_id():
             return False
-        if self.boot and self.boot != _boot_id():
-            return True
-        if self.pidns != _pidns():
+        if self.boot != _boot_id():  # another boot: of this machine only if a machine id says so
+            return bool(self.machine) and bool(self.boot)
+        if self.pidns != _pidns():  # same kernel (boot id), another pid namespace: its pids mean nothing here
             return False
         try:
             os.kill(self.pid, 0)
@@ -140,7 +152,7 @@ def _parse(key: str, data: bytes) -> LockRecord | None:
     try:
         d = unseal(data)
         return LockRecord(key, str(d["kind"]), str(d["op"]), str(d["host"]), int(d["pid"]), str(d["pidns"]),
-                          str(d.get("boot", "")), d.get("started"), float(d["created"]), float(d["refreshed"]))
+                          str(d.get("boot", "")), str(d.get("machine", "")), d.get("started"), float(d["created"]), float(d["refreshed"]))
     except (SealError, KeyError, TypeError, ValueError):
         return None
 
@@ -158,7 +170,7 @@ def list_locks(store: Store) -> list[LockRecord]:
             continue
         rec = _parse(key, data)
         if rec is None:
-            rec = LockRecord(key, "exclusive", "unknown (damaged lock record)", "?", -1, "", "", None, 0.0, 0.0)
+            rec = LockRecord(key, "exclusive", "unknown (damaged lock record)", "?", -1, "", "", "", None, 0.0, 0.0)
         out.append(rec)
     return out
 
@@ -188,7 +200,8 @@ class Lock:
 
     def _record(self) -> bytes:
         return seal({"format_version": BASE_FORMAT_VERSION, "kind": self.kind, "op": self.op, "host": _HOST,
-                     "pid": os.getpid(), "pidns": _pidns(), "boot": _boot_id(), "started": _start_time(os.getpid()),
+                     "pid": os.getpid(), "pidns": _pidns(), "boot": _boot_id(), "machine": _machine_id(),
+                     "started": _start_time(os.getpid()),
                      "created": self._created, "refreshed": time.time()})
 
     def _write(self) -> None:
