@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from .policies import _positive_int
+
 __all__ = [
     "Checkpoint",
     "KeepBest",
@@ -469,12 +471,6 @@ def _rule_list(rules: Any) -> list[RetentionRule]:
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
         raise TypeError(f"plan takes a retention rule or an iterable of them, got {type(rules).__name__}: {rules!r}")
     return list(rules)
-
-
-def _positive_int(what: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
 
 
 def _parse_count(flag: str, text: object, form: str) -> int:
