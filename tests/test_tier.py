@@ -548,3 +548,15 @@ def test_overwrite_while_the_step_is_being_copied_is_copied_again(tmp_path, monk
     assert r.tier.evict("a", KeepLast(1)) == [1]
     assert r.load("a", 1)["x"][0] == 1.0  # from the remote, the overwritten version
     r.close()
+
+
+def test_a_pin_added_after_replication_reaches_the_remote(tmp_path):
+    repo = luopan.open(tmp_path / "local", replicate_to=str(tmp_path / "remote"), **SMALL)
+    repo.save("a", 1, make_state(1))
+    assert repo.wait_replicated(30)
+    repo.run("a").pin(1, "release")
+    remote = luopan.open(tmp_path / "remote", create=False)
+    assert remote.run("a").pins()[1]["tag"] == "release"
+    assert repo.run("a").unpin(1)
+    assert remote.run("a").pins() == {}  # a delete reaches every tier
+    repo.close()

@@ -549,6 +549,20 @@ class Tier:
                           stacklevel=3)
         self._enqueue(run, step)
 
+    def pinned(self, run: str, step: int, data: bytes) -> None:
+        """A pin was added locally: copy it to the remote now if the checkpoint is there already (otherwise its
+        replication copies it). Unpinning needs nothing here: a delete reaches every tier."""
+        from .checkpoint.runrecord import pin_key
+
+        if self.remote is None:
+            return
+        try:
+            if self.remote.exists(manifest_key(run, step)):
+                self.remote.put(pin_key(run, step), data)
+        except OSError as exc:
+            warnings.warn(f"run {run!r} step {step} is pinned here, but the pin could not be copied to the remote "
+                          f"({exc}); pin it again once the remote can be reached", stacklevel=3)
+
     def _enqueue(self, run: str, step: int) -> None:
         with self._cv:
             if self._current == (run, step):

@@ -236,6 +236,9 @@ class Run:
             if not self.repo.store.exists(manifest_key(self.name, step)):
                 raise CheckpointNotFoundError(f"run {self.name!r} step {step} was pruned before it could be pinned")
             self.repo.store.put(pin_key(self.name, step), seal(doc))
+        tier = getattr(self.repo, "tier", None)
+        if tier is not None:  # a tiered repository: the remote copy of the checkpoint gets the pin too
+            tier.pinned(self.name, step, seal(doc))
 
     def unpin(self, step: int) -> bool:
         """Remove the pin of ``step``; returns whether there was one."""
