@@ -353,3 +353,20 @@ def test_preflight_estimates_from_the_previous_checkpoint_of_the_run(tmp_path):
     assert fresh.steps(RUN) == [0, 1, 2] and "other-run" not in fresh.runs()
     fresh.space_margin = 0  # the check can be turned off
     fresh.save(RUN, 3, big)
+
+
+def test_preflight_counts_a_row_delta_save_by_its_rows_not_its_base(tmp_path):
+    """A table stored as row deltas changes most of its base's chunks a little: the estimate must not count the
+    whole table for a save that writes a few rows."""
+    policy = luopan.DeltaPolicy(min_bytes=1 << 20, rebase_fraction=0.08)
+    repo = luopan.open(tmp_path / "r", chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE, delta_policy=policy)
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((32_768, 64)).astype(np.float32)  # 8 MiB
+    for step in range(3):  # full, full (row digests are computed from the first change on), then a row delta
+        table[rng.integers(0, 32_768, 200)] += 1.0
+        repo.save(RUN, step, {"emb": table})
+    assert any("delta" in e for e in repo.manifest(RUN, 2).doc["entries"])
+    repo.store.free_bytes = lambda: 6 << 20  # less than the table, ample for its changed rows
+    table[rng.integers(0, 32_768, 200)] += 1.0
+    info = repo.save(RUN, 3, {"emb": table})
+    assert info.stored_bytes < 1 << 20

@@ -334,6 +334,8 @@ def test_a_crash_at_any_gc_phase_leaves_only_garbage(tmp_path, child_env, point)
 def test_open_options_for_locks_and_space(tmp_path):
     repo = luopan.open(tmp_path / "r", lock_timeout=2.5, space_margin=0)
     assert (repo.lock_timeout, repo.space_margin) == (2.5, 0)
+    assert luopan.open(tmp_path / "r", lock_timeout=np.int64(10**6), space_margin=np.float32(2.0)).space_margin == 2
+    assert luopan.open(tmp_path / "r", lock_timeout=10**400).lock_timeout == 10**400  # big ints are numbers too
     assert luopan.open(tmp_path / "r", lock_timeout=None).lock_timeout is None  # wait forever
     for bad in ({"lock_timeout": -1}, {"space_margin": -0.5}, {"space_margin": float("nan")}):
         with pytest.raises(ValueError):
@@ -396,3 +398,5 @@ def test_which_lock_holders_count_as_gone():
     other_boot = dataclasses.replace(me, boot="another-boot-id")
     assert other_boot.holder_gone() == bool(_machine_id())  # a reboot of this machine (needs a machine id)
     assert not dataclasses.replace(other_boot, machine="another-machine-with-our-hostname").holder_gone()
+    # a record without a machine id (an older luopan): same boot id, dead pid -> gone all the same
+    assert dataclasses.replace(me, pid=int(dead.stdout), machine="").holder_gone()

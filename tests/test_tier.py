@@ -560,3 +560,84 @@ def test_a_pin_added_after_replication_reaches_the_remote(tmp_path):
     assert repo.run("a").unpin(1)
     assert remote.run("a").pins() == {}  # a delete reaches every tier
     repo.close()
+
+
+def test_a_replicated_marker_confirms_only_the_manifest_it_names(tmp_path):
+    """A local manifest replaced behind the replicator's back (the window between its last check and its marker,
+    made wide here by writing the new version straight into the local tier, with no notification) leaves a marker
+    naming the old manifest: the step is not counted as replicated, is not evicted, and is queued again on the
+    next open."""
+    repo = luopan.open(tmp_path / "local", replicate_to=str(tmp_path / "remote"), **SMALL)
+    for step in (1, 2):
+        repo.save("a", step, make_state(step))
+    assert repo.wait_replicated(30)
+    scratch = luopan.open(tmp_path / "scratch", **SMALL)
+    scratch.save("a", 1, make_state(7))
+    for key in scratch.store.list("packs/"):
+        repo.tier.local.put(key, scratch.store.get(key))
+    repo.tier.local.put(manifest_key("a", 1), scratch.store.get(manifest_key("a", 1)))
+    assert repo.replication_status("a")[1] == "local"
+    assert repo.tier.evict("a", KeepLast(1)) == []
+    assert ("a", 1) in repo.tier._unreplicated()
+    repo.close()
+    again = luopan.open(tmp_path / "local")  # the next open queues it: the remote gets the new version
+    assert again.wait_replicated(30)
+    assert_same_state(luopan.open(tmp_path / "remote", create=False).load("a", 1), make_state(7))
+    assert again.tier.evict("a", KeepLast(1)) == [1]
+    assert_same_state(again.load("a", 1), make_state(7))
+    again.close()
+
+
+def test_index_files_gc_removed_are_forgotten_and_skipped(tmp_path):
+    src = luopan.open(tmp_path / "l")
+    src.save("a", 1, {"w": np.zeros(50_000, "f4")})
+    indexes = tier_mod._IndexMap()
+    packs = set(src.manifest("a", 1).packs)
+    first = indexes.lookup(src.store, packs)
+    assert first and all(src.store.exists(k) for k in first)
+    src.save("a", 2, {"w": np.ones(50_000, "f4")})
+    src.gc(grace=0)  # one new index file replaces both
+    now = indexes.lookup(src.store, set(src.manifest("a", 2).packs))
+    assert now and all(src.store.exists(k) for k in now) and not set(first) & set(now)
+
+    class Stale:  # an index map that still names a file gc deleted: the copy goes on without it
+        def lookup(self, store, wanted):
+            return {next(iter(first)): set(wanted)}
+
+    dst = LocalStore(tmp_path / "dst")
+    tier_mod.ensure_repository(src.store, dst)
+    assert tier_mod.copy_checkpoint(src.store, dst, "a", 2, indexes=Stale()) is not None
+    assert luopan.open(tmp_path / "dst", create=False).verify().checkpoints == 1
+
+
+def test_a_pin_added_while_the_manifest_is_being_committed_reaches_the_remote(tmp_path, monkeypatch):
+    in_commit, go = threading.Event(), threading.Event()
+    real = tier_mod.copy_checkpoint
+
+    def slow_copy(*a, commit=None, **kw):
+        def paused(fn):
+            in_commit.set()
+            go.wait(10)
+            commit(fn)
+
+        return real(*a, commit=paused, **kw)
+
+    monkeypatch.setattr(tier_mod, "copy_checkpoint", slow_copy)
+    repo = luopan.open(tmp_path / "local", replicate_to=str(tmp_path / "remote"), **SMALL)
+    repo.save("a", 1, make_state(1))
+    assert in_commit.wait(10)  # the pin was looked for already; the manifest is not on the remote yet
+    repo.run("a").pin(1, "release")
+    go.set()
+    assert repo.wait_replicated(30)
+    assert luopan.open(tmp_path / "remote", create=False).run("a").pins()[1]["tag"] == "release"
+    repo.close()
+
+
+def test_storage_options_serve_a_recorded_remote(s3_endpoint, tmp_path, monkeypatch):
+    url = fresh_url()
+    luopan.open(tmp_path / "local", replicate_to=url, replicate=False).close()  # records the remote
+    monkeypatch.delenv("LUOPAN_S3_ENDPOINT_URL")
+    repo = luopan.open(tmp_path / "local", storage_options={"endpoint_url": s3_endpoint})
+    repo.save("a", 1, make_state(1))
+    assert repo.wait_replicated(30)
+    repo.close()

@@ -105,12 +105,13 @@ class LockRecord:
 
     def holder_gone(self) -> bool:
         """True when the holder certainly is not running: this very machine (same hostname and machine id) booted
-        again since, or, same boot and pid namespace, its pid is gone or now runs another process. A machine
-        that merely shares the hostname, or another pid namespace: cannot tell (only the age makes it stale)."""
-        if self.host != _HOST or self.machine != _machine_id():
+        again since, or, same boot (the boot id is unique to one kernel run) and pid namespace, its pid is gone or
+        now runs another process. A machine that merely shares the hostname, or another pid namespace: cannot tell
+        (only the age makes it stale)."""
+        if self.host != _HOST:
             return False
-        if self.boot != _boot_id():  # another boot: of this machine only if a machine id says so
-            return bool(self.machine) and bool(self.boot)
+        if self.boot != _boot_id():  # another boot: of this very machine only if the machine ids say so
+            return bool(self.boot) and bool(self.machine) and self.machine == _machine_id()
         if self.pidns != _pidns():  # same kernel (boot id), another pid namespace: its pids mean nothing here
             return False
         try:

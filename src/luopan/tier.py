@@ -549,6 +549,21 @@ class Tier:
                           stacklevel=3)
         self._enqueue(run, step)
 
+    def _copy_pin(self, run: str, step: int) -> None:
+        from .checkpoint.runrecord import pin_key
+
+        assert self.remote is not None
+        try:
+            pin = self.local.get(pin_key(run, step))
+        except KeyNotFound:
+            return
+        try:
+            there = self.remote.get(pin_key(run, step))
+        except KeyNotFound:
+            there = None
+        if there != pin:
+            self.remote.put(pin_key(run, step), pin)
+
     def pinned(self, run: str, step: int, data: bytes) -> None:
         """A pin was added locally: copy it to the remote now if the checkpoint is there already (otherwise its
         replication copies it). Unpinning needs nothing here: a delete reaches every tier."""
@@ -756,6 +771,7 @@ class Tier:
             return False
         if now_local != data:  # saved again (overwrite=True) while we copied: copy the new one
             raise ReplicationError(f"run {run!r} step {step} changed during replication; copying it again")
+        self._copy_pin(run, step)  # a pin added after copy_checkpoint looked for it, before the manifest landed
         # The marker names the manifest it confirms: if an overwrite lands after this point, eviction and the next
         # open see that the local manifest is no longer the one confirmed (_confirmed).
         self.local.put(replicated_key(run, step), seal({"format_version": BASE_FORMAT_VERSION, "run": run,
@@ -811,8 +827,16 @@ class Tier:
         if not items:
             return []
         decided = plan(items, rules)
+        if not any(self._confirmed(run, step) for step in decided.remove):
+            return []
+        # Under the exclusive local lock, like a prune: an overwrite=True save of a step cannot land between the
+        # check that the remote holds this very manifest and the local delete.
+        with locked(self.local, "exclusive", f"eviction of {run}", timeout=self.lock_timeout):
+            return self._evict_locked(run, decided.remove)
+
+    def _evict_locked(self, run: str, steps: list[int]) -> list[int]:
         evicted = []
-        for step in decided.remove:
+        for step in steps:
             if not self._confirmed(run, step):
                 continue  # never evict what the remote has not confirmed (or an older version of it)
             if not self.remote.exists(manifest_key(run, step)):

@@ -48,7 +48,7 @@ from ..format.pack import BlobLocation
 from ..locks import DEFAULT_TIMEOUT, locked
 
 DEFAULT_SPACE_MARGIN = 1.5
-from ..store import MemoryStore, Store, open_store
+from ..store import FsspecStore, MemoryStore, Store, open_store
 from ..store.base import KeyNotFound
 from ..store.local import TMP_MARK
 from ..tree import Leaf, flatten, new_array, unflatten
@@ -128,14 +128,15 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     if not (_is_number(space_margin) and 0 <= space_margin < math.inf):
         raise ValueError(f"space_margin must be a finite number >= 0 (0 turns the free-space check off), got "
                          f"{space_margin!r}")
-    if storage_options and not any(_is_object_url(u) for u in (location, replicate_to, getattr(cold, "url", None))):
-        raise ValueError(f"storage_options apply to object-store URLs (s3://…), and neither {location!r} nor a "
-                         "replicate_to/cold URL is one")
     store = open_store(location, **(storage_options or {}) if _is_object_url(location) else {})
     from .. import tier as _tier
 
     tiering = _tier.setup(store, replicate_to=replicate_to, local_retention=local_retention, cold=cold,
                           storage_options=storage_options)
+    tiers = [] if tiering is None else [t for t in (tiering.store.remote, tiering.store.cold) if t is not None]
+    if storage_options and not _is_object_url(location) and not any(isinstance(t, FsspecStore) for t in tiers):
+        raise ValueError(f"storage_options apply to object-store URLs (s3://…), and neither {location!r} nor a "
+                         "replicate_to/cold URL (given or recorded) is one")
     try:
         config = RepoConfig.from_bytes(store.get(CONFIG_KEY), _where(store))
     except KeyNotFound:
@@ -164,7 +165,10 @@ def open(  # noqa: A001  (the public verb is luopan.open)
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+    """A real number (NumPy scalars too), not a bool, not NaN."""
+    import numbers
+
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
 
 
 def _is_object_url(location: Any) -> bool:
@@ -457,16 +461,21 @@ class Repo:
         for i, leaf in enumerate(plan.leaves):
             if leaf.alias_of is not None or i in plan.unchanged or leaf.nbytes == 0:
                 continue
-            rows = previous.get(leaf.path, {}).get("chunks", [])
+            prev = previous.get(leaf.path, {})
+            rows = prev.get("chunks", [])
             on_host = leaf.kind != "torch" or leaf.frozen is not None or leaf.obj.is_cpu
             if not rows or not on_host:  # new entry, or on a device (copying it here would cost a transfer)
                 total += leaf.nbytes
                 continue
             data = leaf.host_bytes()
+            changed = 0
             for k, (off, length) in enumerate(chunk_spans(leaf.nbytes, leaf.shape, self.config.chunk_size)[1]):
                 row = rows[k] if k < len(rows) else None
                 if row is None or row[4] != length or row[6] != xxhash.xxh3_128_hexdigest(data[off:off + length]):
-                    total += length
+                    changed += length
+            if "delta" in prev:  # rows of a row delta's *base*: a sparse change touches most of them, but the save
+                changed = min(changed, int(self.delta_policy.rebase_fraction * leaf.nbytes))  # writes only rows
+            total += changed
         return total
 
     def run(self, name: str) -> Run:
