@@ -515,16 +515,16 @@ def test_replication_goes_on_after_gc_replaced_the_index_files(tmp_path):
     assert luopan.open(tmp_path / "rem", create=False).verify().checkpoints == 2
 
 
-def test_overwrite_while_the_step_is_being_copied_is_copied_again(tmp_path, monkeypatch):
-    """An overwrite=True save of a step the replicator is copying: the remote ends with the new manifest, and
-    eviction never drops the local copy on the strength of the old one."""
+def pause_manifest_commits(monkeypatch, first_only: bool = False):
+    """Make the replicator stop just before it commits a manifest on the remote (after packs, index files, record
+    and pin): it sets the first event and waits (bounded) for the second. Returns (in_commit, go)."""
     in_commit, go = threading.Event(), threading.Event()
     real = tier_mod.copy_checkpoint
     calls = {"n": 0}
 
     def slow_copy(*a, commit=None, **kw):
         calls["n"] += 1
-        if calls["n"] > 1:
+        if first_only and calls["n"] > 1:
             return real(*a, commit=commit, **kw)
 
         def paused(fn):
@@ -535,6 +535,13 @@ def test_overwrite_while_the_step_is_being_copied_is_copied_again(tmp_path, monk
         return real(*a, commit=paused, **kw)
 
     monkeypatch.setattr(tier_mod, "copy_checkpoint", slow_copy)
+    return in_commit, go
+
+
+def test_overwrite_while_the_step_is_being_copied_is_copied_again(tmp_path, monkeypatch):
+    """An overwrite=True save of a step the replicator is copying: the remote ends with the new manifest, and
+    eviction never drops the local copy on the strength of the old one."""
+    in_commit, go = pause_manifest_commits(monkeypatch, first_only=True)
     r = luopan.open(tmp_path / "repo", replicate_to=str(tmp_path / "remote"))
     r.save("a", 1, {"x": np.zeros(1000)})
     assert in_commit.wait(10)  # the replicator read version 1 and is about to commit it on the remote
@@ -611,18 +618,7 @@ def test_index_files_gc_removed_are_forgotten_and_skipped(tmp_path):
 
 
 def test_a_pin_added_while_the_manifest_is_being_committed_reaches_the_remote(tmp_path, monkeypatch):
-    in_commit, go = threading.Event(), threading.Event()
-    real = tier_mod.copy_checkpoint
-
-    def slow_copy(*a, commit=None, **kw):
-        def paused(fn):
-            in_commit.set()
-            go.wait(10)
-            commit(fn)
-
-        return real(*a, commit=paused, **kw)
-
-    monkeypatch.setattr(tier_mod, "copy_checkpoint", slow_copy)
+    in_commit, go = pause_manifest_commits(monkeypatch)
     repo = luopan.open(tmp_path / "local", replicate_to=str(tmp_path / "remote"), **SMALL)
     repo.save("a", 1, make_state(1))
     assert in_commit.wait(10)  # the pin was looked for already; the manifest is not on the remote yet
