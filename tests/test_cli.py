@@ -109,11 +109,12 @@ def test_console_script_installed(filled):
     assert out.returncode == 0 and json.loads(out.stdout)["runs"][0]["run"] == "run-a"
 
 
-def test_ls_lists_damaged_manifest_without_failing(filled):
+def test_ls_lists_damaged_manifest_and_exits_3(filled):
+    """The readable checkpoints are still listed, the damaged one is named, and the exit code says damage (3)."""
     m = filled / "runs" / "run-a" / "ckpt" / "00000100.json"
     m.write_bytes(m.read_bytes()[:-20])
     r = cli("ls", "-r", str(filled), "run-a", "--json")
-    assert r.exit_code == 0
+    assert r.exit_code == 3
     data = json.loads(r.stdout)
     assert [c["step"] for c in data["checkpoints"]] == [200]
     assert data["damaged"][0]["step"] == 100 and "damaged" in data["damaged"][0]["error"]

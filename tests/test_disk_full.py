@@ -177,7 +177,9 @@ def test_disk_full_on_first_save_leaves_empty_repo(small_fs):
     assert pack_files(root) == set()
     assert temp_files(root) == []
     assert not os.path.exists(root / "index") or os.listdir(root / "index") == []
-    assert abs(free_bytes(small_fs) - free_before) <= 64 * 1024
+    record = root / "runs" / RUN / "record.json"  # written first, by design (its git diff depends on the checkout)
+    record_bytes = os.stat(record).st_blocks * 512 if record.exists() else 0
+    assert abs(free_bytes(small_fs) - free_before) - record_bytes <= 64 * 1024
     # a save that fits still works afterwards
     state = make_state(1)
     repo.save(RUN, 1, state)

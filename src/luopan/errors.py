@@ -17,6 +17,13 @@ class InvalidNameError(LuopanError, ValueError):
     """A run name, step or key path is not valid."""
 
 
+class UsageError(LuopanError, ValueError):
+    """An option or argument that cannot do what was meant (e.g. a retention rule naming a metric no checkpoint
+    records): nothing was changed. The CLI exits 2, as for a bad flag."""
+
+    exit_code = 2
+
+
 class RepoNotFoundError(LuopanError, FileNotFoundError):
     """No luopan repository at the given location."""
 
@@ -66,7 +73,25 @@ class UnsupportedFormatError(LuopanError, RuntimeError):
     exit_code = 5
 
 
-class StorageFullError(LuopanError, OSError):
+class StorageError(LuopanError, OSError):
+    """The store refused or failed an operation: permissions, a read-only filesystem, an I/O error, an unreachable
+    object store. The message names the file or object and what to check; ``errno`` is the system's."""
+
+
+class ObjectStoreError(StorageError):
+    """An object-store request failed (network, permissions, missing bucket, server error)."""
+
+
+class MissingDependencyError(LuopanError, ImportError):
+    """An optional dependency needed for this kind of repository is not installed."""
+
+
+class OutputPathError(LuopanError, OSError):
+    """A file luopan was asked to write outside the repository (``export -o``) cannot be written there: its
+    directory is missing, a directory is in the way, or permission is denied. Nothing was written."""
+
+
+class StorageFullError(StorageError):
     """The store ran out of space during a save; nothing partial was committed."""
 
 
@@ -97,12 +122,21 @@ class CorruptRepoError(IntegrityError):
     """The repository config, an index file or a ref is damaged."""
 
 
+class ObjectTooLargeError(IntegrityError):
+    """A file luopan reads whole (a manifest, index file, ref, record…) is larger than any valid one of its kind
+    (docs/format.md §11): it was refused before being read."""
+
+
+class UnreadableError(IntegrityError):
+    """``verify`` could not read part of the repository (permissions, an I/O error), so it cannot vouch for it."""
+
+
 class LockedError(LuopanError, TimeoutError):
     """The repository is locked (by a prune/gc, or by saves when we want the exclusive lock) for longer than we were
     willing to wait. The message names the holders and how to remove a stale lock."""
 
 
-class GcError(LuopanError):
+class GcError(LuopanError, RuntimeError):
     """Garbage collection cannot run safely (e.g. a damaged manifest: gc cannot tell what that checkpoint needs)."""
 
     exit_code = 3

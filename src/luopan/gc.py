@@ -25,6 +25,7 @@ never a manifest naming a missing pack. Crash points (``LUOPAN_CRASH_AT``): ``gc
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,12 +35,22 @@ import blake3
 import zstandard
 
 from ._crash import crashpoint
-from .errors import CorruptPackError, GcError, IntegrityError
+from . import catalog
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptPackError,
+    CorruptRepoError,
+    GcError,
+    IntegrityError,
+    StorageError,
+)
 from .format import BASE_FORMAT_VERSION
 from .format.canonical import SealError, canonical, seal, sealed_checksum, unseal
 from .format.index import build_index, parse_index
+from .format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_SMALL_BYTES
 from .format.manifest import Manifest, seal_manifest, stored_rows
-from .format.names import HEX64_RE, index_key, latest_ref_key, manifest_key, pack_key
+from .format.names import index_key, is_hex64, is_index_key, is_pack_key, latest_ref_key, manifest_key, pack_key
+from .format.refs import build_ref, parse_ref
 from .format.pack import HEADER_SIZE, PackBuilder
 from .locks import locked
 from .store.base import KeyNotFound, Store
@@ -93,27 +104,49 @@ def _rows_by_pack(m: Manifest) -> dict[str, dict[str, tuple[int, int, int, str]]
 
 
 def _all_manifests(repo: Repo) -> list[tuple[str, Manifest]]:
+    """Every committed manifest, parsed, from the catalog's walk. GcError, before anything changes, when the walk
+    could not see the whole repository (a dangling link or unreadable directory under runs/ may hold checkpoints)
+    or a manifest cannot be read: gc would otherwise delete data those checkpoints need."""
+    cat = catalog.scan(repo.store, strays=True)
+    if cat.incomplete:
+        shown = "; ".join(str(s) for s in cat.incomplete[:5])
+        raise GcError(f"gc stopped before deleting anything: part of runs/ cannot be read ({shown}), so gc cannot "
+                      "tell which data the checkpoints there need; mount or restore it (or remove the link), then "
+                      "run gc again")
     out = []
-    for run in repo.runs():
-        for step in repo.steps(run):
-            try:
-                out.append((manifest_key(run, step), repo.manifest(run, step)))
-            except IntegrityError as exc:
-                raise GcError(f"gc stopped before deleting anything: {exc}\ngc cannot tell which data a damaged "
-                              "checkpoint needs; restore that manifest, or remove the checkpoint "
-                              f"(`luopan prune`, or delete {manifest_key(run, step)}), then run gc again") from None
-            except KeyNotFound:
-                continue
+    for run, step in cat.pairs():
+        try:
+            out.append((manifest_key(run, step), repo.manifest(run, step)))
+        except (IntegrityError, StorageError) as exc:
+            raise GcError(f"gc stopped before deleting anything: {exc}\ngc cannot tell which data a damaged or "
+                          "unreadable checkpoint needs; restore that manifest (or its permissions), or remove the "
+                          f"checkpoint (`luopan prune`, or delete {manifest_key(run, step)}), then run gc again"
+                          ) from None
+        except CheckpointNotFoundError:
+            continue  # pruned since the listing
     return out
+
+
+def parse_condemned(data: bytes, where: str = CONDEMNED_KEY) -> dict[str, float]:
+    """pack id -> unix time it was first found unreferenced; CorruptRepoError on damage."""
+    try:
+        doc = unseal(data)
+        packs = doc["packs"]
+        out = {p: float(t) for p, t in packs.items()}
+        if not all(is_hex64(p) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                   and 0 <= t for p, t in packs.items()):
+            raise ValueError("a pack id or time is invalid")
+        return out
+    except (SealError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise CorruptRepoError(f"{where} is damaged: {str(exc)[:200]}") from None
 
 
 def _read_condemned(store: Store) -> dict[str, float]:
     try:
-        doc = unseal(store.get(CONDEMNED_KEY))
-        return {p: float(t) for p, t in doc["packs"].items() if HEX64_RE.match(p)}
+        return parse_condemned(store.get_limited(CONDEMNED_KEY, MAX_CONDEMNED_BYTES))
     except KeyNotFound:
         return {}
-    except (SealError, KeyError, TypeError, ValueError, AttributeError):
+    except IntegrityError:
         return {}  # damaged: start the grace period afresh (it only ever delays deletion)
 
 
@@ -125,12 +158,7 @@ def _write_condemned(store: Store, packs: dict[str, float]) -> None:
 
 
 def _list_packs(store: Store) -> dict[str, str]:
-    out = {}
-    for key in store.list("packs/"):
-        name = key.rsplit("/", 1)[-1]
-        if name.endswith(".pack") and HEX64_RE.match(name[:-5]) and key == pack_key(name[:-5]):
-            out[name[:-5]] = key
-    return out
+    return {key.rsplit("/", 1)[-1][:-5]: key for key in store.list("packs/") if is_pack_key(key)}
 
 
 def _verify_blob(data: bytes, h: str, size: int, codec: str) -> None:
@@ -269,18 +297,18 @@ def _collect(repo: Repo, grace: float, repack_below: float, dry_run: bool, now: 
     phase("plan")
 
     # -- 3. index -------------------------------------------------------------------------------------------------
-    index_keys = [k for k in store.list("index/") if k.endswith(".json")]
+    index_keys = [k for k in store.list("index/") if is_index_key(k)]
     report.index_files_before = len(index_keys)
     keep = {p for p in packs if p not in condemned}
     rows: dict[str, list[dict[str, Any]]] = {}
     for key in index_keys:
         try:
-            for h, loc in parse_index(store.get(key), key).items():
+            for h, loc in parse_index(store.get_limited(key, MAX_INDEX_BYTES), key).items():
                 if loc.pack in keep:
                     rows.setdefault(loc.pack, []).append(
                         {"hash": h, "offset": loc.offset, "length": loc.length, "size": loc.size, "codec": loc.codec})
-        except (IntegrityError, KeyNotFound):
-            continue  # damaged or vanished: rebuilt from trailers below where it matters
+        except (IntegrityError, KeyNotFound, StorageError):
+            continue  # damaged, vanished or unreadable: rebuilt from trailers below where it matters
     for p, blobs in new_packs.items():
         rows[p] = [dict(b) for b in blobs]
     for p in sorted(keep):
@@ -364,23 +392,21 @@ def reclaimable(repo: Repo) -> tuple[int, int]:
 
 def _index_packs(store: Store, key: str) -> list[str]:
     try:
-        return list(unseal(store.get(key))["packs"])
-    except (SealError, KeyError, TypeError, ValueError, KeyNotFound):
+        return sorted({loc.pack for loc in parse_index(store.get_limited(key, MAX_INDEX_BYTES), key).values()})
+    except (IntegrityError, KeyNotFound, StorageError):
         return []
 
 
 def _trailer_blobs(store: Store, pack: str) -> list[dict[str, Any]]:
-    from .checkpoint.read import check_pack_trailer
-    from .format.pack import FOOTER_SIZE, parse_trailer
+    from .checkpoint.read import read_trailer
+    from .format.pack import PackFormatError
 
-    if check_pack_trailer(store, pack) is not None:
+    try:
+        computed, blobs = read_trailer(store, pack)
+    except (KeyNotFound, PackFormatError, StorageError):
         return []
-    key = pack_key(pack)
-    size = store.size(key)
-    head = store.get_range(key, 0, HEADER_SIZE)
-    footer = store.get_range(key, size - FOOTER_SIZE, FOOTER_SIZE)
-    tlen = int.from_bytes(footer[:8], "little")
-    _pid, blobs = parse_trailer(head, store.get_range(key, size - FOOTER_SIZE - tlen, FOOTER_SIZE + tlen), size)
+    if computed != pack:
+        return []
     return [{k: b[k] for k in ("hash", "offset", "length", "size", "codec")} for b in blobs]
 
 
@@ -461,13 +487,13 @@ def _deep_copy(doc: dict[str, Any]) -> dict[str, Any]:
 
 def _refresh_ref(store: Store, run: str, step: int, key: str, data: bytes) -> None:
     """Point the run's `latest` ref at the rewritten manifest, if it named this one (the ref is advisory)."""
+    ref_key = latest_ref_key(run)
     try:
-        ref = unseal(store.get(latest_ref_key(run)))
-    except (KeyNotFound, SealError, ValueError):
+        ref = parse_ref(store.get_limited(ref_key, MAX_SMALL_BYTES), ref_key)
+    except (KeyNotFound, IntegrityError, StorageError):
         return
     if ref.get("manifest") == key:
         try:
-            store.put(latest_ref_key(run), seal({"manifest": key, "manifest_checksum": sealed_checksum(data),
-                                                 "step": step}))
+            store.put(ref_key, build_ref(run, step, sealed_checksum(data)))
         except OSError:
             pass

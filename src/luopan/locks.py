@@ -10,6 +10,10 @@ process start time, operation) and when it was taken and last refreshed. The pro
   lock appeared meanwhile, withdraw ours and wait again (two exclusive lockers racing both withdraw and retry after
   a random pause). Whoever writes second always sees the first, so a save and a gc never both proceed.
 
+Only files named like lock records (``locks/<shared|exclusive|waiting>-<16 hex>.json``) are locks: anything else
+under ``locks/`` is not luopan's and is neither obeyed nor ever deleted. A holder that cannot delete its record
+(the store is unreachable when its save fails) keeps retrying in the background until the store answers.
+
 A holder refreshes its record every ``REFRESH_SECONDS`` while it holds it. A lock is **stale** when its holder is
 certainly gone — same host and pid namespace, and that pid is not running or runs a different process (start time
 differs) — or when it has not been refreshed for ``STALE_SECONDS``. Locks of dead processes on this host are
@@ -19,8 +23,10 @@ another host, so it blocks until someone breaks it (``luopan unlock``, ``break_l
 
 from __future__ import annotations
 
+import math
 import os
 import random
+import re
 import secrets
 import socket
 import threading
@@ -32,9 +38,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import LockedError
-from .format import BASE_FORMAT_VERSION
-from .format.canonical import SealError, seal, unseal
+from .errors import IntegrityError, LockedError, StorageError, UnsupportedFormatError
+from .format import BASE_FORMAT_VERSION, refuse_newer
+from .format.canonical import SealError, parse_object, seal, verify_seal
+from .format.limits import MAX_SMALL_BYTES
 from .store.base import KeyNotFound, Store
 
 LOCK_PREFIX = "locks/"
@@ -42,6 +49,9 @@ REFRESH_SECONDS = 120.0
 STALE_SECONDS = 30 * 60.0
 DEFAULT_TIMEOUT = 600.0
 WAITING_SECONDS = 30.0  # a waiting marker older than this (its save died or gave up) no longer holds gc back
+KINDS = ("shared", "exclusive", "waiting")
+LOCK_NAME = re.compile(r"locks/(shared|exclusive|waiting)-[0-9a-f]{16}\.json", re.ASCII)
+MAX_TIME = float(1 << 34)  # unix seconds, year 2514: a later time is damage (or a clock far off), never a lock's
 
 
 def _pidns() -> str:
@@ -98,6 +108,7 @@ class LockRecord:
     started: int | None  # process start time (clock ticks since boot), or None
     created: float  # unix time
     refreshed: float
+    damage: str | None = None  # why the record could not be read: it blocks, and only `luopan unlock` removes it
 
     @property
     def age(self) -> float:
@@ -123,6 +134,8 @@ class LockRecord:
         return self.started is not None and _start_time(self.pid) not in (None, self.started)
 
     def stale_reason(self) -> str | None:
+        if self.damage is not None:
+            return f"the record is damaged ({self.damage})"
         if self.holder_gone():
             return f"its process {self.pid} on {self.host} is no longer running"
         if self.age > STALE_SECONDS:
@@ -130,6 +143,8 @@ class LockRecord:
         return None
 
     def describe(self) -> str:
+        if self.damage is not None:
+            return f"damaged lock record {self.key}"
         when = datetime.fromtimestamp(self.created, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         if self.kind == "waiting":
             return f"{self.op} by pid {self.pid} on {self.host}, waiting for an exclusive lock to end, since {when}"
@@ -149,29 +164,53 @@ def _span(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _parse(key: str, data: bytes) -> LockRecord | None:
+def parse_lock(key: str, data: bytes) -> LockRecord:
+    """A lock record, every field checked (kinds, a pid, finite times before MAX_TIME). Raises IntegrityError when
+    damaged; UnsupportedFormatError when written by a newer luopan."""
     try:
-        d = unseal(data)
-        return LockRecord(key, str(d["kind"]), str(d["op"]), str(d["host"]), int(d["pid"]), str(d["pidns"]),
-                          str(d.get("boot", "")), str(d.get("machine", "")), d.get("started"), float(d["created"]), float(d["refreshed"]))
-    except (SealError, KeyError, TypeError, ValueError):
-        return None
+        obj = parse_object(data)
+    except SealError as exc:
+        raise IntegrityError(f"lock record {key} is damaged: {exc}") from None
+    refuse_newer(obj, f"lock record {key}")
+    try:
+        d = verify_seal(obj)
+    except SealError as exc:
+        raise IntegrityError(f"lock record {key} is damaged: {exc}") from None
+    strs = {k: d.get(k, "") for k in ("kind", "op", "host", "pidns", "boot", "machine")}
+    pid, started, created, refreshed = d.get("pid"), d.get("started"), d.get("created"), d.get("refreshed")
+    ok = (all(isinstance(v, str) for v in strs.values()) and strs["kind"] in KINDS
+          and isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 32
+          and (started is None or (isinstance(started, int) and not isinstance(started, bool) and started >= 0))
+          and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and 0 <= t <= MAX_TIME
+                  for t in (created, refreshed)))
+    if not ok:
+        raise IntegrityError(f"lock record {key} is damaged: a field is missing, of the wrong type or out of range "
+                             "(e.g. a time past the year 2514)")
+    return LockRecord(key, strs["kind"], strs["op"], strs["host"], pid, strs["pidns"], strs["boot"],
+                      strs["machine"], started, float(created), float(refreshed))
+
+
+def _damaged(key: str, why: str) -> LockRecord:
+    return LockRecord(key, "exclusive", "unknown", "?", -1, "", "", "", None, 0.0, 0.0, damage=why)
 
 
 def list_locks(store: Store) -> list[LockRecord]:
-    """Every lock record in the repository. A damaged or half-visible record counts as a lock of unknown holder
-    (kind "exclusive", age from nothing): it is reported, and only `luopan unlock` removes it."""
+    """Every lock record in the repository: files named like lock records directly under ``locks/`` (anything
+    else there is not a lock). A damaged record counts as an exclusive lock of unknown holder: it blocks, is
+    reported as stale (``damage`` says why), and ``luopan unlock`` removes it."""
     out = []
     for key in store.list(LOCK_PREFIX):
-        if not key.endswith(".json"):
+        if not LOCK_NAME.fullmatch(key):
             continue
         try:
-            data = store.get(key)
+            rec = parse_lock(key, store.get_limited(key, MAX_SMALL_BYTES))
         except KeyNotFound:
             continue
-        rec = _parse(key, data)
-        if rec is None:
-            rec = LockRecord(key, "exclusive", "unknown (damaged lock record)", "?", -1, "", "", "", None, 0.0, 0.0)
+        except UnsupportedFormatError:  # a newer luopan's lock: obey it, never break it as stale
+            rec = LockRecord(key, "exclusive", "unknown (a newer luopan's lock)", "?", -1, "", "", "", None,
+                             time.time(), time.time())
+        except (IntegrityError, StorageError) as exc:
+            rec = _damaged(key, str(exc).split(": ", 1)[-1][:200])
         out.append(rec)
     return out
 
@@ -179,12 +218,61 @@ def list_locks(store: Store) -> list[LockRecord]:
 def break_locks(store: Store, *, stale_only: bool = True) -> list[LockRecord]:
     """Remove lock records (only stale ones unless ``stale_only=False``); returns the ones removed."""
     removed = []
-    for rec in list_locks(store):
+    for rec in list_locks(store):  # only files named like lock records: never anything else under locks/
         if stale_only and rec.stale_reason() is None:
             continue
         store.delete(rec.key)
         removed.append(rec)
     return removed
+
+
+# Records this process failed to delete (the store did not answer): retried in the background until it does, and
+# before every new lock is taken, so a save that failed in an outage does not leave gc blocked behind it.
+_orphans: dict[tuple[int, str], tuple[Store, str]] = {}
+_orphans_lock = threading.Lock()
+_orphan_wakeup = threading.Event()
+_orphan_thread: threading.Thread | None = None
+ORPHAN_RETRY_MAX = 60.0  # seconds between retries, at most
+
+
+def _retry_later(store: Store, key: str) -> None:
+    global _orphan_thread
+    with _orphans_lock:
+        _orphans[(id(store), key)] = (store, key)
+        if _orphan_thread is None or not _orphan_thread.is_alive():
+            _orphan_thread = threading.Thread(target=_retry_loop, name="luopan-lock-release", daemon=True)
+            _orphan_thread.start()
+    _orphan_wakeup.set()
+
+
+def retry_releases() -> int:
+    """Try once more to delete every lock record a failed release left behind; returns how many remain."""
+    with _orphans_lock:
+        pending = list(_orphans.items())
+    for ident, (store, key) in pending:
+        try:
+            store.delete(key)
+        except OSError:
+            continue
+        with _orphans_lock:
+            _orphans.pop(ident, None)
+    with _orphans_lock:
+        return len(_orphans)
+
+
+def _retry_loop() -> None:
+    pause = 0.5
+    while True:
+        _orphan_wakeup.wait(pause)
+        _orphan_wakeup.clear()
+        if retry_releases() == 0:
+            pause = 0.5
+            with _orphans_lock:
+                if not _orphans:
+                    global _orphan_thread
+                    _orphan_thread = None
+                    return
+        pause = min(pause * 2, ORPHAN_RETRY_MAX)
 
 
 class Lock:
@@ -233,8 +321,14 @@ class Lock:
         try:
             self.store.delete(self.key)
         except OSError as exc:
-            warnings.warn(f"could not remove repository lock {self.key} ({exc}); it turns stale on its own "
-                          f"or `luopan unlock` removes it", stacklevel=2)
+            try:
+                if not self.store.exists(self.key):  # its write failed (a read-only repository): nothing to undo
+                    return
+            except OSError:
+                pass
+            _retry_later(self.store, self.key)
+            warnings.warn(f"could not remove repository lock {self.key} ({exc}); retrying in the background until "
+                          "the store answers", stacklevel=2)
 
     def __enter__(self) -> Lock:
         return self
@@ -250,7 +344,7 @@ def _survey(store: Store, kind: str, own: str | None) -> tuple[list[LockRecord],
     for rec in list_locks(store):
         if rec.key == own:
             continue
-        if rec.holder_gone():
+        if rec.damage is None and rec.holder_gone():
             try:
                 store.delete(rec.key)
             except OSError:
@@ -280,6 +374,8 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
     """
     if kind not in ("shared", "exclusive"):
         raise ValueError(f"lock kind must be 'shared' or 'exclusive', not {kind!r}")
+    if _orphans:
+        retry_releases()  # our own records from a failed release must not block us
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.02
     lock = Lock(store, kind, op)
@@ -294,15 +390,15 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
                     lock.release()
                     posted = False
                 elif not posted and not waiting and not [b for b in blockers if b.kind != "shared"]:
+                    posted = True  # set first: a write cut off in an outage may still have landed
                     lock._write()
-                    posted = True
                     lock._start_refreshing()
                     blockers, _ = _survey(store, kind, lock.key)
                 if posted and not blockers:
                     return lock
             elif not blockers:
-                lock._write()
                 posted = True  # from here an error (or Ctrl-C) must take the record back
+                lock._write()
                 if not _survey(store, kind, lock.key)[0]:
                     lock._start_refreshing()
                     return lock
@@ -313,6 +409,8 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
                     marker.release()
                 marker = Lock(store, "waiting", op)
                 marker._write()
+            if blockers and all(b.damage is not None for b in blockers):
+                raise _locked_error(store, kind, op, blockers, where)  # nobody will ever remove them but unlock
             if deadline is not None and time.monotonic() >= deadline:
                 raise _locked_error(store, kind, op, blockers or waiting, where)
             time.sleep(pause * (0.5 + random.random()))

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from .errors import UsageError
 from .policies import _positive_int
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "Plan",
     "Retention",
     "RetentionRule",
+    "check_metrics",
     "parse_duration",
     "parse_keep_best",
     "parse_keep_every_steps",
@@ -385,6 +387,28 @@ def plan(checkpoints: Iterable[Checkpoint], rules: RetentionRule | Iterable[Rete
             keep[c.step] = reasons
     remove = [c.step for c in items if c.step not in keep]
     return Plan(keep, remove, tuple(items), retention.describe())
+
+
+def check_metrics(checkpoints: Sequence[Checkpoint], rules: RetentionRule | Iterable[RetentionRule],
+                  where: str = "the run") -> None:
+    """UsageError when a `KeepBest` rule names a metric that none of ``checkpoints`` records as a finite number: such
+    a rule keeps nothing, and a typo (``Loss``, ``1:loss:mni``) would let prune remove the best checkpoint. The
+    message names the metrics the checkpoints do record."""
+    retention = rules if isinstance(rules, Retention) else (
+        Retention(rules) if isinstance(rules, RetentionRule) else Retention(*_rule_list(rules)))
+    recorded = sorted({k for c in checkpoints for k in (c.metrics or {}) if c.metric(k) is not None})
+    for r in retention.rules:
+        if isinstance(r, KeepBest) and not any(c.metric(r.metric) is not None for c in checkpoints):
+            import difflib
+
+            near = difflib.get_close_matches(r.metric, recorded, n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            if ":" in r.metric and r.metric.rsplit(":", 1)[1].lower() not in ("min", "max"):
+                hint += " (the mode after the last ':' must be min or max)"
+            raise UsageError(
+                f"keep-best metric {r.metric!r}: no checkpoint of {where} records it as a number, so the rule would "
+                f"keep nothing and prune could remove the best checkpoint; they record: "
+                f"{', '.join(recorded) or 'no numeric metrics'}{hint}. Nothing was removed")
 
 
 # --- CLI flags ---------------------------------------------------------------------------------------------------

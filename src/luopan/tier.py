@@ -28,16 +28,26 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from . import catalog
 from ._crash import crashpoint
-from .errors import ConfigConflictError, CorruptRepoError, InvalidNameError, LuopanError
+from .errors import (
+    ConfigConflictError,
+    CorruptRepoError,
+    IntegrityError,
+    InvalidNameError,
+    LuopanError,
+    StorageError,
+)
 from .format import BASE_FORMAT_VERSION
 from .format.canonical import SealError, seal, sealed_checksum, unseal
 from .format.config import CONFIG_KEY, RepoConfig
+from .format.index import parse_index
+from .format.limits import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
 from .format.manifest import parse_manifest
-from .format.names import check_run, manifest_key, manifest_prefix, pack_key, step_from_manifest_key
+from .format.names import check_run, is_index_key, manifest_key, pack_key, step_from_manifest_key
 from .locks import DEFAULT_TIMEOUT, locked
 from .store import Store, open_store
-from .store.base import Data, KeyNotFound
+from .store.base import Data, KeyNotFound, Stray
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint.repo import Repo
@@ -145,6 +155,9 @@ class TieredStore(Store):
     def get(self, key: str) -> bytes:
         return self._read(key, lambda s: s.get(key))
 
+    def get_limited(self, key: str, limit: int) -> bytes:
+        return self._read(key, lambda s: s.get_limited(key, limit))
+
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         return self._read(key, lambda s: s.get_range(key, offset, length))
 
@@ -194,6 +207,13 @@ class TieredStore(Store):
         if not prefix:
             keys = {k for k in keys if not _local_only(k) or self.local.exists(k)}
         return iter(keys)
+
+    def strays(self, prefix: str = "") -> list[Stray]:
+        out = list(self.local.strays(prefix))
+        if not prefix.startswith(LOCAL_LISTING + LOCAL_ONLY):
+            for tier in self.fallbacks:
+                out += self._soft(tier, lambda t=tier: t.strays(prefix), [])
+        return out
 
     def exists(self, key: str) -> bool:
         if self.local.exists(key):
@@ -276,7 +296,7 @@ class _IndexMap:
 
     def lookup(self, src: Store, packs: set[str]) -> dict[str, set[str]]:
         if any(p not in self._by_pack for p in packs) or self._seen:
-            keys = [k for k in src.list("index/") if k.endswith(".json")]
+            keys = [k for k in src.list("index/") if is_index_key(k)]
             if not self._seen.issubset(keys):  # gc consolidated the index files: forget what they said
                 self._seen.clear()
                 self._packs.clear()
@@ -288,7 +308,7 @@ class _IndexMap:
                     continue
                 try:
                     ids = _index_packs(src, key)
-                except (CorruptRepoError, SealError, KeyNotFound, ValueError, AttributeError):
+                except (IntegrityError, KeyNotFound, StorageError):
                     continue
                 self._seen.add(key)
                 self._packs[key] = ids
@@ -303,11 +323,7 @@ class _IndexMap:
 
 def _index_packs(src: Store, key: str) -> set[str]:
     """The pack ids an index file names (docs/format.md §7)."""
-    doc = unseal(src.get(key))
-    ids = set(doc.get("packs", {}))
-    for p in ids:
-        pack_key(p)  # ValueError for anything but a pack id
-    return ids
+    return {loc.pack for loc in parse_index(src.get_limited(key, MAX_INDEX_BYTES), key).values()}
 
 
 def copy_checkpoint(src: Store, dst: Store, run: str, step: int, *, indexes: _IndexMap | None = None,
@@ -326,7 +342,7 @@ def copy_checkpoint(src: Store, dst: Store, run: str, step: int, *, indexes: _In
 
     mkey = manifest_key(run, step)
     try:
-        data = src.get(mkey)
+        data = src.get_limited(mkey, MAX_MANIFEST_BYTES)
     except KeyNotFound:
         return None
     m = parse_manifest(data, mkey, run, step)  # never copy a damaged manifest
@@ -359,14 +375,14 @@ def copy_checkpoint(src: Store, dst: Store, run: str, step: int, *, indexes: _In
             continue
         if all(p in on_dst or dst.exists(pack_key(p)) for p in named):  # rule 1: packs before their index
             try:
-                idata = src.get(ikey)
+                idata = src.get_limited(ikey, MAX_INDEX_BYTES)
             except KeyNotFound:  # gc replaced it meanwhile: index files only steer dedup, skip it
                 continue
             dst.put_if_absent(ikey, idata)
             _verify_small(dst, ikey, idata)
-    for key in (record_key(run), pin_key(run, step)):
+    for key, limit in ((record_key(run), MAX_RECORD_BYTES), (pin_key(run, step), MAX_SMALL_BYTES)):
         try:
-            extra = src.get(key)
+            extra = src.get_limited(key, limit)
         except KeyNotFound:
             continue
         if key.startswith("refs/"):
@@ -389,14 +405,14 @@ def copy_checkpoint(src: Store, dst: Store, run: str, step: int, *, indexes: _In
 
 def ensure_repository(local: Store, dst: Store) -> None:
     """Make ``dst`` a repository with the local config (same repo_id), or check that it is one."""
-    config = local.get(CONFIG_KEY)
+    config = local.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES)
     mine = RepoConfig.from_bytes(config, local.describe())
     try:
-        theirs = RepoConfig.from_bytes(dst.get(CONFIG_KEY), dst.describe())
+        theirs = RepoConfig.from_bytes(dst.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES), dst.describe())
     except KeyNotFound:
         if dst.put_if_absent(CONFIG_KEY, config):
             return
-        theirs = RepoConfig.from_bytes(dst.get(CONFIG_KEY), dst.describe())
+        theirs = RepoConfig.from_bytes(dst.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES), dst.describe())
     if theirs.repo_id != mine.repo_id:
         raise ConfigConflictError(
             f"{dst.describe()} holds another luopan repository (repo_id {theirs.repo_id}, not {mine.repo_id}); "
@@ -451,13 +467,27 @@ def _same_place(a: Store, b: Store) -> bool:
     return a.describe() == b.describe() and not a.describe().startswith("memory")
 
 
+def parse_tier_config(data: bytes, where: str) -> dict[str, Any]:
+    """``tier/config.json``: ``replicate_to`` (a URL or path) and ``cold`` ({"url", "older_than"}), both optional.
+    CorruptRepoError on any damage."""
+    try:
+        doc = unseal(data)
+    except SealError as exc:
+        raise CorruptRepoError(f"{where} is damaged: {exc}") from None
+    cold = doc.get("cold")
+    if not isinstance(doc.get("replicate_to", ""), str) or (cold is not None and not (
+            isinstance(cold, dict) and isinstance(cold.get("url"), str) and isinstance(cold.get("older_than", ""),
+                                                                                        str))):
+        raise CorruptRepoError(f"{where} is damaged: replicate_to must be a URL and cold {{url, older_than}}")
+    return doc
+
+
 def read_tier_config(local: Store) -> dict[str, Any] | None:
     try:
-        return unseal(local.get(TIER_CONFIG_KEY))
+        data = local.get_limited(TIER_CONFIG_KEY, MAX_SMALL_BYTES)
     except KeyNotFound:
         return None
-    except SealError as exc:
-        raise CorruptRepoError(f"{TIER_CONFIG_KEY} in {local.describe()} is damaged: {exc}") from None
+    return parse_tier_config(data, f"{TIER_CONFIG_KEY} in {local.describe()}")
 
 
 # -- the replicator ---------------------------------------------------------------------------------------------
@@ -589,12 +619,7 @@ class Tier:
 
     # -- status -------------------------------------------------------------------------------------------------
     def _local_steps(self, run: str) -> set[int]:
-        out = set()
-        for key in self.local.list(manifest_prefix(run)):
-            s = step_from_manifest_key(key)
-            if s is not None and key.count("/") == 3:
-                out.add(s)
-        return out
+        return set(catalog.scan(self.local, run).steps.get(run, []))
 
     def _marked(self, kind: str, run: str) -> set[int]:
         out = set()
@@ -605,11 +630,7 @@ class Tier:
         return out
 
     def _unreplicated(self) -> list[tuple[str, int]]:
-        out = []
-        runs = {k.split("/")[1] for k in self.local.list("runs/") if k.count("/") == 3 and "/ckpt/" in k}
-        for run in sorted(runs):
-            out += [(run, s) for s in sorted(self._local_steps(run)) if not self._confirmed(run, s)]
-        return out
+        return [(run, s) for run, s in catalog.scan(self.local).pairs() if not self._confirmed(run, s)]
 
     def status(self, run: str) -> dict[int, str]:
         """step -> "local" (only here, replication queued or not started), "replicating" (being copied now),
@@ -631,18 +652,17 @@ class Tier:
         for tier, name in ((self.remote, "remote"), (self.cold_store, "cold")):
             if tier is None:
                 continue
-            steps = self.store._soft(tier, lambda t=tier: list(t.list(manifest_prefix(run))), [])
-            for key in steps:
-                s = step_from_manifest_key(key)
-                if s is not None and key.count("/") == 3 and s not in out:
+            steps = self.store._soft(tier, lambda t=tier: catalog.scan(t, run).steps.get(run, []), [])
+            for s in steps:
+                if s not in out:
                     out[s] = name
         return dict(sorted(out.items()))
 
     def _pending_elsewhere(self, run: str, step: int) -> bool:
         """Another live process on this host is copying it (its pending marker says so)."""
         try:
-            doc = unseal(self.local.get(pending_key(run, step)))
-        except (KeyNotFound, SealError):
+            doc = unseal(self.local.get_limited(pending_key(run, step), MAX_SMALL_BYTES))
+        except (KeyNotFound, SealError, IntegrityError):
             return False
         pid = doc.get("replicating_pid")
         if not isinstance(pid, int) or pid == os.getpid():
@@ -765,7 +785,7 @@ class Tier:
             self.local.delete(pending_key(run, step))  # pruned meanwhile: nothing to replicate
             return False
         try:
-            now_local = self.local.get(manifest_key(run, step))
+            now_local = self.local.get_limited(manifest_key(run, step), MAX_MANIFEST_BYTES)
         except KeyNotFound:
             self.local.delete(pending_key(run, step))
             return False
@@ -784,19 +804,19 @@ class Tier:
     def _confirmed(self, run: str, step: int) -> bool:
         """Whether the remote holds exactly the local manifest of ``step`` (its replicated marker names it)."""
         try:
-            marker = unseal(self.local.get(replicated_key(run, step)))
-        except (KeyNotFound, SealError):
+            marker = unseal(self.local.get_limited(replicated_key(run, step), MAX_SMALL_BYTES))
+        except (KeyNotFound, SealError, IntegrityError):
             return False
         try:
-            local = self.local.get(manifest_key(run, step))
+            local = self.local.get_limited(manifest_key(run, step), MAX_MANIFEST_BYTES)
         except KeyNotFound:
             return True  # evicted: only the remote has it, as confirmed
         return marker.get("manifest_checksum") == sealed_checksum(local)
 
     def _mark_started(self, run: str, step: int) -> None:
         try:
-            doc = unseal(self.local.get(pending_key(run, step)))
-        except (KeyNotFound, SealError):
+            doc = unseal(self.local.get_limited(pending_key(run, step), MAX_SMALL_BYTES))
+        except (KeyNotFound, SealError, IntegrityError):
             doc = {"format_version": BASE_FORMAT_VERSION, "run": run, "step": step, "created": _now()}
         doc.pop("checksum", None)
         doc.update(replicating_pid=os.getpid(), started=_now())
@@ -818,7 +838,7 @@ class Tier:
         for step in sorted(self._local_steps(run)):
             key = manifest_key(run, step)
             try:
-                m = parse_manifest(self.local.get(key), key, run, step)
+                m = parse_manifest(self.local.get_limited(key, MAX_MANIFEST_BYTES), key, run, step)
             except (KeyNotFound, LuopanError):
                 continue
             tag = pins.get(step, {}).get("tag")
@@ -859,10 +879,10 @@ class Tier:
         limit = self.cold.seconds
         cold = self.cold_store
         moved = []
-        for run in self.repo.runs():
+        for run, steps in catalog.scan(self.repo.store).steps.items():
             pins = self.repo.run(run).pins()
             status = self.status(run) if self.remote is not None else {}
-            for step in self.repo.steps(run):
+            for step in steps:
                 if step in pins or status.get(step) in ("local", "replicating", "cold"):
                     continue
                 hot = [t for t in (self.local, self.remote) if t is not None and t.exists(manifest_key(run, step))]

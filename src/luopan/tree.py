@@ -15,7 +15,10 @@ from typing import Any
 import numpy as np
 
 from .errors import LuopanError, UnsupportedValueError
+from .format.limits import MAX_NDIM, shape_fits
 from .format.names import join_path
+
+_BIG_INT_BITS = 14000  # ints this long may exceed Python's 4300-digit str limit: checked, not assumed
 
 _NUMPY_KINDS = "biufc"
 
@@ -152,14 +155,17 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         if isinstance(value, bool):
             return {"bool": value}
         if isinstance(value, int):
-            return {"int": value}
+            return {"int": _json_int(value, path)}
         if isinstance(value, float):
             return {"float": value if math.isfinite(value) else repr(value)}
         if isinstance(value, str):
-            return {"str": value}
+            return {"str": _json_str(value, path, "a str")}
         if torch is not None and isinstance(value, torch.Tensor):
             return walk_torch(value, path)
         if isinstance(value, np.ndarray):
+            if type(value) is not np.ndarray and isinstance(value, np.ma.MaskedArray):
+                raise _refuse(path, "a NumPy masked array", "its mask would be lost; store the data and the mask "
+                              "as two arrays, e.g. {'data': a.filled(0), 'mask': np.ma.getmaskarray(a)}")
             return walk_numpy(value, path, scalar=False)
         if isinstance(value, (dict, list, tuple)):
             if id(value) in active:
@@ -187,6 +193,10 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                         f"a dict key of type {type(k).__name__} ({k!r})",
                         "dict keys must be str or int; convert the key, e.g. str(key)",
                     )
+                if isinstance(k, str):
+                    _json_str(k, join_path(path, k), "a dict key")
+                else:
+                    _json_int(k, join_path(path, k))
                 if str(k) in names:  # 1 and "1" would share the key path "1"
                     raise _refuse(join_path(path, k), f"both keys {names[str(k)]!r} and {k!r} in one dict",
                                   "key paths must be unique; rename one of the keys")
@@ -234,9 +244,12 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
             name = _TORCH_DTYPE_NAMES.get(dt)
             if name is None:
                 name = _TORCH_DTYPE_NAMES[dt] = torch_dtype_name(dt)
-            if name in TORCH_DTYPE_SIZES:
+            if name in TORCH_DTYPE_SIZES and t.dim() <= MAX_NDIM:
                 shape = tuple(t.shape)
                 nbytes = t.nbytes
+                if not nbytes and not shape_fits(shape, TORCH_DTYPE_SIZES[name]):
+                    raise _refuse(path, f"an empty tensor of shape {shape}", "NumPy cannot describe it; use a "
+                                  "smaller empty shape")
                 identity = ("torch", "cpu", t.data_ptr(), shape, t.stride(), dt, t.is_conj(), t.is_neg()) \
                     if nbytes else None
                 return leaf(path, t, "torch", identity, dtype=name, shape=shape, nbytes=nbytes)
@@ -251,6 +264,9 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         if torch_dtype_name(t.dtype) not in TORCH_DTYPE_SIZES:
             raise _refuse(path, f"a tensor of dtype {t.dtype}", "luopan does not store this dtype yet; convert it "
                           "(e.g. t.view(torch.uint8) with the dtype recorded in your metadata)")
+        if t.dim() > MAX_NDIM:
+            raise _refuse(path, f"a tensor with {t.dim()} dimensions", f"at most {MAX_NDIM} are stored (NumPy's "
+                          "limit); reshape it and record the shape in your metadata")
         nbytes = t.numel() * t.element_size()
         identity = None
         if nbytes:
@@ -260,9 +276,57 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                     nbytes=nbytes)
 
     try:
-        return walk(state, ""), leaves
+        skeleton = walk(state, ""), leaves
     except RecursionError:
         raise UnsupportedValueError("cannot save a state tree nested this deeply; flatten it") from None
+    paths: set[str] = set()
+    for lf in leaves:
+        if lf.path in paths:
+            places = " and ".join(_places(state, lf.path)[:2])
+            raise UnsupportedValueError(
+                f"two tensors share the key path {lf.path!r}: {places}; luopan could not tell them apart on load "
+                "(an empty dict key at the top level joins its children to the root); rename one of the keys")
+        paths.add(lf.path)
+    return skeleton
+
+
+def _json_int(value: int, path: str) -> int:
+    if value.bit_length() > _BIG_INT_BITS:
+        try:
+            str(value)
+        except ValueError:
+            raise _refuse(path, f"an int of {value.bit_length()} bits", "JSON values are limited to 4300 digits; "
+                          "store it as a str or a tensor") from None
+    return value
+
+
+def _json_str(value: str, path: str, what: str) -> str:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _refuse(path, f"{what} with a lone surrogate ({value[exc.start:exc.end]!r} at index {exc.start})",
+                          "only valid Unicode text is stored; repair it, e.g. s.encode('utf-8', "
+                          "'surrogateescape').decode('utf-8', 'replace')") from None
+    return value
+
+
+def _places(state: Any, target: str) -> list[str]:
+    """How to reach each tensor whose key path is ``target`` from the root, e.g. ``state['']['x']``."""
+    out: list[str] = []
+
+    def visit(value: Any, path: str, access: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, join_path(path, k), f"{access}[{k!r}]")
+        elif type(value) in (list, tuple):
+            for i, v in enumerate(value):
+                visit(v, join_path(path, i), f"{access}[{i}]")
+        elif path == target:
+            out.append(access)
+
+    visit(state, "", "state")
+    return out
 
 
 def unflatten(node: dict[str, Any], entry: Callable[[int], Any]) -> Any:

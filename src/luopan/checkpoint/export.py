@@ -15,11 +15,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, UnsupportedValueError
+from ..errors import CheckpointNotFoundError, LuopanError, OutputPathError, StorageFullError, UnsupportedValueError
 from ..format.manifest import Manifest, stored_rows
 from ..store.base import Store
 from .parallel import WORKERS, ordered_map
-from .read import ChunkRef, PendingDelta, chunk_refs, delta_jobs, read_chunk, read_chunks
+from .read import ChunkRef, PendingDelta, check_rows, chunk_refs, delta_jobs, read_chunk, read_chunks
 
 # safetensors dtype codes, by luopan dtype name (torch names and NumPy names coincide where both exist)
 SAFETENSORS_DTYPES = {
@@ -58,8 +58,12 @@ def export_safetensors(
     subtree: str | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the selected tensors of manifest ``m`` to ``out_path`` as safetensors. Returns a summary."""
+    """Write the selected tensors of manifest ``m`` to ``out_path`` as safetensors. Returns a summary.
+
+    OutputPathError (nothing written) when ``out_path`` is a directory or its directory does not exist."""
+    out_path = check_output_path(out_path)
     selected = select_entries(m, subtree)
+    sizes = check_rows(store, m, sorted({m.entries[i].get("alias_of", i) for _name, i in selected}))
     deltas: dict[int, PendingDelta] = {}
     header: dict[str, Any] = {"__metadata__": {
         "format": "pt", "luopan.run": m.run, "luopan.step": str(m.step), "luopan.fingerprint": m.doc["fingerprint"],
@@ -91,18 +95,21 @@ def export_safetensors(
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
 
-    out_path = os.fspath(out_path)
     tmp = f"{out_path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
     def fetch(job: tuple[ChunkRef, int, PendingDelta | None]) -> bytearray:
         ref, pos, delta = job
+        sizes.check(ref)  # before the buffer is sized by the row
         buf = bytearray(ref.size)
-        read_chunk(store, ref, memoryview(buf))
+        read_chunk(store, ref, memoryview(buf), sizes)
         if delta is not None:
             delta.apply(memoryview(buf), pos)
         return buf
 
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        raise _output_error(exc, out_path) from None
     try:
         with os.fdopen(fd, "wb", closefd=True) as f:
             f.write(struct.pack("<Q", len(head)))
@@ -115,11 +122,13 @@ def export_safetensors(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and not isinstance(exc, LuopanError):
+            raise _output_error(exc, out_path) from None
         raise
     dfd = os.open(os.path.dirname(os.path.abspath(out_path)), os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -127,6 +136,25 @@ def export_safetensors(
     finally:
         os.close(dfd)
     return {"path": out_path, "tensors": len(selected), "bytes": 8 + len(head) + offset}
+
+
+def check_output_path(path: str | os.PathLike[str]) -> str:
+    """The output path as a str, if a file can be created there: its directory exists and it is not a directory."""
+    out = os.fspath(path)
+    if not out or os.path.isdir(out):
+        raise OutputPathError(21, f"{out or '(empty)'} is a directory: give a file name for the export, e.g. "
+                                  f"{os.path.join(out or '.', 'model.safetensors')}")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise OutputPathError(2, f"cannot write {out}: the directory {parent} does not exist; create it first "
+                                 f"(mkdir -p {parent})")
+    return out
+
+
+def _output_error(exc: OSError, path: str) -> OSError:
+    if exc.errno in (28, 122):  # ENOSPC, EDQUOT
+        return StorageFullError(exc.errno, f"no space left while writing {path}: nothing was written")
+    return OutputPathError(exc.errno or 5, f"cannot write {path}: {exc.strerror or exc}; nothing was written")
 
 
 def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:

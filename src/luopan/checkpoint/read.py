@@ -12,7 +12,8 @@ import blake3
 import numpy as np
 import zstandard
 
-from ..errors import CorruptPackError, IntegrityError, MissingPackError
+from ..errors import CorruptPackError, IntegrityError, MissingPackError, StorageError, UnreadableError
+from ..format.limits import MAX_TRAILER_BYTES
 from ..format.manifest import Manifest
 from ..format.names import pack_key
 from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer
@@ -121,9 +122,44 @@ def _scratch(size: int) -> memoryview:
     return memoryview(buf)[:size]
 
 
-def read_chunk(store: Store, ref: ChunkRef, out: memoryview) -> None:
-    """Read and verify one chunk into ``out`` (exactly ``ref.size`` bytes). Raises typed IntegrityErrors."""
+class PackSizes:
+    """The real sizes of the packs one batch of reads touches, each looked up once (a stat, or a HEAD on an object
+    store): a chunk row is checked against its pack's size before any byte is read or any buffer sized by it, so
+    a damaged or hostile manifest cannot make a read allocate what it declares (docs/format.md §11)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._sizes: dict[str, int] = {}
+
+    def check(self, ref: ChunkRef) -> None:
+        size = self._sizes.get(ref.pack)
+        if size is None:
+            key = pack_key(ref.pack)
+            try:
+                size = self._sizes[ref.pack] = self.store.size(key)
+            except KeyNotFound:
+                raise MissingPackError(f"missing pack: {ref.where()}: {key} is not in the repository") from None
+        if ref.offset + ref.length > size:
+            raise CorruptPackError(f"pack truncated: {ref.where()} needs bytes up to {ref.offset + ref.length}, "
+                                   f"the pack has {size}")
+
+
+def check_rows(store: Store, m: Manifest, entries: list[int] | None = None,
+               sizes: PackSizes | None = None) -> PackSizes:
+    """Check every chunk row of ``m`` (or of the given entries) against its pack's real size, before anything is
+    allocated for them; returns the size cache for the reads that follow."""
+    sizes = sizes or PackSizes(store)
+    for i in range(len(m.entries)) if entries is None else entries:
+        for ref in all_chunk_refs(m, i):
+            sizes.check(ref)
+    return sizes
+
+
+def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | None = None) -> None:
+    """Read and verify one chunk into ``out`` (exactly ``ref.size`` bytes). Raises typed IntegrityErrors; a
+    pack that cannot be read raises StorageError. ``sizes`` checks the row against the pack's size first."""
     key = pack_key(ref.pack)
+    (sizes or PackSizes(store)).check(ref)
     try:
         if ref.codec == "none":
             got = store.read_into(key, ref.offset, out)
@@ -155,14 +191,17 @@ def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False) -> 
     read and verified in scratch memory and only then copied to its destination, so damaged bytes never reach it
     (for restoring into memory the caller already owns).
     """
+    sizes = PackSizes(store)
+
     def one(job: tuple[Any, ...]) -> None:
         ref, out = job[0], job[1]
         if via_scratch:
+            sizes.check(ref)  # before the scratch buffer is sized by the row
             tmp = _scratch(ref.size)
-            read_chunk(store, ref, tmp)
+            read_chunk(store, ref, tmp, sizes)
             out[:] = tmp
         else:
-            read_chunk(store, ref, out)
+            read_chunk(store, ref, out, sizes)
         if len(job) > 2:
             job[2](out)
 
@@ -178,13 +217,19 @@ def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False) -> 
 def verify_chunks(
     store: Store, refs: list[ChunkRef], progress: Callable[[int], Any] | None = None
 ) -> list[IntegrityError]:
-    """Read every chunk into scratch memory and check it; returns the problems found (does not raise them)."""
+    """Read every chunk into scratch memory and check it; returns the problems found (does not raise them). A pack
+    that cannot be read is an UnreadableError problem, and verification carries on."""
+    sizes = PackSizes(store)
+
     def one(ref: ChunkRef) -> tuple[int, IntegrityError | None]:
         try:
-            read_chunk(store, ref, _scratch(ref.size))
+            sizes.check(ref)  # before the scratch buffer is sized by the row
+            read_chunk(store, ref, _scratch(ref.size), sizes)
         except IntegrityError as exc:
             exc.chunk = ref  # type: ignore[attr-defined]  # lets the caller stop deduplicating against it
             return ref.size, exc
+        except StorageError as exc:
+            return ref.size, UnreadableError(f"cannot read {ref.where()}: {exc}")
         return ref.size, None
 
     problems = []
@@ -197,21 +242,32 @@ def verify_chunks(
     return problems
 
 
-def check_pack_trailer(store: Store, pack_id: str) -> CorruptPackError | None:
-    """Check that a pack's header, footer and trailer index are intact and that the trailer hashes to the pack id
-    (docs/format.md §6). Returns the problem, or None."""
+def read_trailer(store: Store, pack_id: str) -> tuple[str, list[dict[str, Any]]]:
+    """(pack id computed from the trailer, checked blob records) of a pack. Raises KeyNotFound, PackFormatError
+    (damage: the trailer length is checked against the file's size and MAX_TRAILER_BYTES before it is read) or
+    StorageError."""
     key = pack_key(pack_id)
+    size = store.size(key)
+    head = store.get_range(key, 0, HEADER_SIZE)
+    footer = store.get_range(key, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
+    tlen = int.from_bytes(footer[:8], "little") if len(footer) == FOOTER_SIZE else 0
+    if tlen > MAX_TRAILER_BYTES or tlen + FOOTER_SIZE + HEADER_SIZE > size:
+        raise PackFormatError("pack trailer length out of range")
+    tail = store.get_range(key, size - FOOTER_SIZE - tlen, FOOTER_SIZE + tlen)
+    return parse_trailer(head, tail, size)
+
+
+def check_pack_trailer(store: Store, pack_id: str) -> IntegrityError | None:
+    """Check that a pack's header, footer and trailer index are intact and that the trailer hashes to the pack id
+    (docs/format.md §6). Returns the problem (UnreadableError when the pack cannot be read), or None."""
     try:
-        size = store.size(key)
-        head = store.get_range(key, 0, HEADER_SIZE)
-        footer = store.get_range(key, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
-        tlen = int.from_bytes(footer[:8], "little") if len(footer) == FOOTER_SIZE else 0
-        tail = store.get_range(key, max(0, size - FOOTER_SIZE - tlen), FOOTER_SIZE + tlen) if tlen < size else b""
-        computed, _blobs = parse_trailer(head, tail, size)
+        computed, _blobs = read_trailer(store, pack_id)
     except KeyNotFound:
         return None  # reported per chunk as MissingPackError
     except PackFormatError as exc:
         return CorruptPackError(f"pack {pack_id[:16]}…: {exc}")
+    except StorageError as exc:
+        return UnreadableError(f"pack {pack_id[:16]}… cannot be read: {exc}")
     if computed != pack_id:
         return CorruptPackError(f"pack {pack_id[:16]}…: its trailer index is damaged (hashes to {computed[:16]}…)")
     return None

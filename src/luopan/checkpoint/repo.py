@@ -17,46 +17,44 @@ from typing import Any
 
 import xxhash
 
+from .. import catalog
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigConflictError,
-    CorruptRepoError,
     InsufficientSpaceError,
     IntegrityError,
+    InvalidNameError,
     LuopanError,
     NotARepositoryError,
     RepoExistsError,
     RepoNotFoundError,
     StateMismatchError,
+    StorageError,
+    UnreadableError,
     UnsupportedFormatError,
     UnsupportedValueError,
 )
 from ..format.canonical import canonical
 from ..format.config import CONFIG_KEY, Compression, RepoConfig
 from ..format.index import parse_index
+from ..format.limits import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from ..format.manifest import Manifest, encode_metrics, parse_manifest
-from ..format.names import (
-    check_run,
-    check_step,
-    manifest_key,
-    manifest_prefix,
-    step_from_manifest_key,
-)
+from ..format.names import check_run, check_step, is_index_key, manifest_key
 from ..format.chunking import chunk_spans
 from ..format.pack import BlobLocation
 from ..locks import DEFAULT_TIMEOUT, locked
 
 DEFAULT_SPACE_MARGIN = 1.5
 from ..store import FsspecStore, MemoryStore, Store, open_store
-from ..store.base import KeyNotFound
-from ..store.local import TMP_MARK
+from ..store.base import KeyNotFound, Stray
+from ..store.local import TMP_MARK, LocalStore
 from ..tree import Leaf, flatten, new_array, unflatten
 from .buffers import HostBuffers
 from .export import diff_manifests, export_safetensors
-from .read import ChunkRef, all_chunk_refs, check_pack_trailer, entry_jobs, read_chunks, verify_chunks
+from .read import ChunkRef, all_chunk_refs, check_pack_trailer, check_rows, entry_jobs, read_chunks, verify_chunks
 from .rowdelta import DeltaPolicy, RowTrack, normalise_hint
-from .runrecord import Run
+from .runrecord import Run, as_problem
 from .save import PackChecker, write_checkpoint
 
 
@@ -129,6 +127,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
         raise ValueError(f"space_margin must be a finite number >= 0 (0 turns the free-space check off), got "
                          f"{space_margin!r}")
     store = open_store(location, **(storage_options or {}) if _is_object_url(location) else {})
+    _check_local_root(store, create)
     from .. import tier as _tier
 
     tiering = _tier.setup(store, replicate_to=replicate_to, local_retention=local_retention, cold=cold,
@@ -138,7 +137,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
         raise ValueError(f"storage_options apply to object-store URLs (s3://…), and neither {location!r} nor a "
                          "replicate_to/cold URL (given or recorded) is one")
     try:
-        config = RepoConfig.from_bytes(store.get(CONFIG_KEY), _where(store))
+        config = RepoConfig.from_bytes(store.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES), _where(store))
     except KeyNotFound:
         if not create:
             raise RepoNotFoundError(
@@ -164,6 +163,21 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     return repo
 
 
+def _check_local_root(store: Store, create: bool) -> None:
+    """A local repository path must be a directory (or not exist yet, when creating): a regular file there is a
+    clear error, not a traceback from deep inside the store."""
+    if not isinstance(store, LocalStore):
+        return
+    root = store.root
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise (NotARepositoryError if create else RepoNotFoundError)(
+            f"{root} is a file, not a luopan repository (a directory): pass the repository's directory with -r, "
+            "or a new path to create one there")
+    if not os.path.exists(root) and os.path.lexists(root):
+        raise RepoNotFoundError(f"{root} is a dangling symbolic link (to {os.readlink(root)}): mount or restore "
+                                "what it points to, or remove the link")
+
+
 def _is_number(x: Any) -> bool:
     """A real number (NumPy scalars too), not a bool, not NaN."""
     import numbers
@@ -181,6 +195,7 @@ def _is_object_url(location: Any) -> bool:
 def init(location: str | os.PathLike[str] | Store, **options: Any) -> Repo:
     """Create a new repository; RepoExistsError if one is already there."""
     store = open_store(location)
+    _check_local_root(store, True)
     if store.exists(CONFIG_KEY):
         raise RepoExistsError(f"a luopan repository already exists at {_where(store)}")
     return open(store, **options)
@@ -213,7 +228,7 @@ def _create(store: Store, chunk_size: int | None, pack_size: int | None,
         kwargs["pack_size"] = pack_size
     config = RepoConfig(**kwargs)
     if not store.put_if_absent(CONFIG_KEY, config.to_bytes()):  # another process created it first
-        config = RepoConfig.from_bytes(store.get(CONFIG_KEY), _where(store))
+        config = RepoConfig.from_bytes(store.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES), _where(store))
     return config
 
 
@@ -356,7 +371,7 @@ class Repo:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "luopan-save")
             _drain_at_exit(self)
-        handle = SaveHandle(self._worker.submit(self._commit, plan), run, step)
+        handle = SaveHandle(self._worker.submit(self._commit, plan), plan.run, plan.step)
         self._inflight = handle
         return handle
 
@@ -378,7 +393,7 @@ class Repo:
                  touched_rows: dict[str, Any] | None = None) -> _SavePlan:
         """Check everything about a save before any byte is written; snapshot metrics and metadata."""
         check_run(run)
-        check_step(step)
+        step = check_step(step)
         if not overwrite and self.store.exists(manifest_key(run, step)):
             raise CheckpointExistsError(
                 f"run {run!r} already has a checkpoint at step {step}; pass overwrite=True to replace it"
@@ -388,6 +403,7 @@ class Repo:
             encoded_metrics = encode_metrics(metrics)
         except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: .item() of a multi-element tensor
             raise UnsupportedValueError(f"bad metrics: {exc}; pass numbers, str, bool or None") from None
+        _check_json("metrics", encoded_metrics, dict)
         skeleton, leaves = flatten(state)
         # Everything that goes into the manifest is checked before any pack is written.
         _check_json("state", skeleton, dict)
@@ -520,7 +536,7 @@ class Repo:
 
     def _chunk_index(self) -> dict[str, BlobLocation]:
         """Chunk hash → location from all index files (refreshed with index files new since the last call)."""
-        keys = list(self.store.list("index/"))
+        keys = [k for k in self.store.list("index/") if is_index_key(k)]
         if self._known is None or not self._indexes_seen.issubset(keys):
             # First use, or gc consolidated/removed index files (and maybe moved or deleted packs): forget every
             # location this process remembers, so no save references a chunk where it no longer is. (Rows kept for
@@ -532,33 +548,35 @@ class Repo:
             if key in self._indexes_seen:
                 continue
             try:
-                self._known.update(parse_index(self.store.get(key), key))
-            except CorruptRepoError as exc:
-                warnings.warn(f"{exc}; skipping it", stacklevel=3)
+                self._known.update(parse_index(self.store.get_limited(key, MAX_INDEX_BYTES), key))
             except KeyNotFound:
                 continue
+            except (IntegrityError, StorageError) as exc:  # only deduplication is lost: saves store those chunks
+                warnings.warn(f"{exc}; skipping it", stacklevel=3)
             self._indexes_seen.add(key)
         return self._known
 
     # -- listing ------------------------------------------------------------------------------------------------
     def runs(self) -> list[str]:
-        names = set()
-        for key in self.store.list("runs/"):
-            parts = key.split("/")
-            if len(parts) == 4 and parts[2] == "ckpt" and step_from_manifest_key(key) is not None:
-                names.add(parts[1])
-        return sorted(names)
+        """Runs with at least one committed checkpoint (luopan.catalog: the walk every command shares)."""
+        return catalog.scan(self.store).runs
 
     def steps(self, run: str) -> list[int]:
         """Committed steps of ``run``, ascending (a checkpoint exists iff its manifest exists)."""
         check_run(run)
-        steps = []
-        for key in self.store.list(manifest_prefix(run)):
-            if key.count("/") == 3:
-                s = step_from_manifest_key(key)
-                if s is not None:
-                    steps.append(s)
-        return sorted(steps)
+        return catalog.scan(self.store, run).steps.get(run, [])
+
+    def strays(self, run: str | None = None) -> list[Stray]:
+        """What lies in the repository (or under ``run``'s directory) that is not luopan's, each with the reason:
+        skipped by every command, reported by ``luopan verify`` (docs/format.md §2). A stray with ``unreadable``
+        set (a dangling link, a directory that cannot be read) may hide checkpoints: gc refuses to run past it."""
+        if run is not None:
+            check_run(run)
+            return catalog.scan(self.store, run, strays=True).strays
+        seen = {s.key: s for s in catalog.scan(self.store, strays=True).strays}
+        for s in self.store.strays(""):
+            seen.setdefault(s.key, s)
+        return sorted(seen.values(), key=lambda s: s.key)
 
     def manifest(self, run: str, step: int | None = None) -> Manifest:
         """The parsed, verified manifest of a checkpoint (latest = highest committed step when ``step`` is None)."""
@@ -568,10 +586,10 @@ class Repo:
             if not steps:
                 raise CheckpointNotFoundError(self._no_checkpoint(run))
             step = steps[-1]
-        check_step(step)
+        step = check_step(step)
         key = manifest_key(run, step)
         try:
-            data = self.store.get(key)
+            data = self.store.get_limited(key, MAX_MANIFEST_BYTES)
         except KeyNotFound:
             raise CheckpointNotFoundError(self._no_checkpoint(run, step)) from None
         return parse_manifest(data, key, run, step)
@@ -597,6 +615,7 @@ class Repo:
     def load(self, run: str, step: int | None = None) -> Any:
         """The state tree of a checkpoint (latest when ``step`` is None), every chunk verified as it is read."""
         m = self.manifest(run, step)
+        check_rows(self.store, m)  # every row within its pack before any buffer is sized by the manifest
         objs: list[Any] = [None] * len(m.entries)
         jobs: list[Any] = []
         for i, e in enumerate(m.entries):
@@ -655,6 +674,7 @@ class Repo:
             )
         jobs: list[Any] = []
         copies = []
+        check_rows(self.store, m, [i for _leaf, i in plan])
         for leaf, i in plan:
             dest = _writable_bytes(leaf)
             if dest is None:  # non-contiguous / device / conj target: read fresh, then copy_ into it
@@ -687,20 +707,26 @@ class Repo:
         VerifyReport when all is well.
         """
         if run is None and step is not None:
-            raise ValueError("verify: a step needs a run")
+            raise InvalidNameError("verify: a step needs a run")
         if self._inflight is not None:  # let a background save finish before we touch the dedup map
             self._inflight._future.exception()
+        if run is not None:
+            check_run(run)
+        if step is not None:
+            step = check_step(step)
+        strays = self.strays(run)
+        problems: list[LuopanError] = [UnreadableError(f"cannot verify {s}: checkpoints there cannot be seen")
+                                       for s in strays if s.unreadable]
         targets = [(r, s) for r in ([run] if run else self.runs()) for s in ([step] if step is not None
                                                                              else self.steps(r))]
-        if run is not None and not targets:
+        if run is not None and not targets and not problems:
             raise CheckpointNotFoundError(self._no_checkpoint(run))
-        problems: list[LuopanError] = []
         refs: dict[str, ChunkRef] = {}
         for r, s in targets:
             try:
                 m = self.manifest(r, s)
-            except (IntegrityError, UnsupportedFormatError) as exc:
-                problems.append(exc)
+            except (IntegrityError, UnsupportedFormatError, StorageError) as exc:
+                problems.append(as_problem(exc))
                 continue
             for i in range(len(m.entries)):
                 for ref in all_chunk_refs(m, i):
@@ -720,13 +746,21 @@ class Repo:
                 loc = self._known.get(ref.hash) if ref is not None else None
                 if loc is not None and (loc.pack, loc.offset) == (ref.pack, ref.offset):
                     del self._known[ref.hash]
+        if step is None:  # the runs' other files: record, eval logs, pins, latest ref
+            for r in sorted({r for r, _s in targets} | ({run} if run else set())):
+                problems += self.run(r).problems()
         if run is None:  # whole repository: the index files too (they steer deduplication)
             for key in self.store.list("index/"):
+                if not is_index_key(key):
+                    continue
                 try:
-                    parse_index(self.store.get(key), key)
-                except (CorruptRepoError, KeyNotFound) as exc:
-                    problems.append(exc if isinstance(exc, CorruptRepoError) else CorruptRepoError(str(exc)))
-        report = VerifyReport(len(targets), len(refs), sum(r.size for r in refs.values()), problems)
+                    parse_index(self.store.get_limited(key, MAX_INDEX_BYTES), key)
+                except KeyNotFound:
+                    continue
+                except (IntegrityError, StorageError) as exc:
+                    problems.append(as_problem(exc))
+        report = VerifyReport(len(targets), len(refs), sum(r.size for r in refs.values()), problems,
+                              [s for s in strays if not s.unreadable])
         if problems:
             shown = "\n  ".join(str(p) for p in problems[:20])
             more = f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -756,27 +790,38 @@ class Repo:
         """Entries changed, added and removed between two checkpoints of a run, with the bytes that differ."""
         return diff_manifests(self.manifest(run, step_a), self.manifest(run, step_b))
 
-    def prune(self, run: str, rules: Any, *, dry_run: bool = False) -> Any:
+    def prune(self, run: str, rules: Any, *, dry_run: bool = False, missing_metrics: str = "error") -> Any:
         """Remove the checkpoints of ``run`` that ``rules`` (luopan.retention) do not keep; returns the Plan.
 
         The newest checkpoint and pinned ones are always kept. A checkpoint is removed by deleting its manifest
         (atomic: it exists until then, and is gone after); the chunks it alone used stay until `luopan gc`.
-        ``dry_run`` computes exactly the same plan and removes nothing.
+        ``dry_run`` computes exactly the same plan and removes nothing (it takes no lock, so it needs no write
+        access and never waits). A `KeepBest` metric that no checkpoint of the run records as a number (a typo
+        such as ``Loss`` for ``loss``) is an error naming the metrics they do record, before anything is removed;
+        ``missing_metrics="ignore"`` lets such a rule keep nothing (CheckpointManager uses it while a metric has
+        not been logged yet).
         """
         self._drain()
+        check_run(run)
+        if missing_metrics not in ("error", "ignore"):
+            raise ValueError(f"missing_metrics must be 'error' or 'ignore', got {missing_metrics!r}")
+        if dry_run:
+            return self._prune_locked(run, rules, True, missing_metrics)
         with locked(self.store, "exclusive", f"prune of {run}", timeout=self.lock_timeout, where=_where(self.store)):
-            return self._prune_locked(run, rules, dry_run)
+            return self._prune_locked(run, rules, False, missing_metrics)
 
-    def _prune_locked(self, run: str, rules: Any, dry_run: bool) -> Any:
-        from ..retention import Checkpoint, plan as retention_plan
+    def _prune_locked(self, run: str, rules: Any, dry_run: bool, missing_metrics: str = "error") -> Any:
+        from ..retention import Checkpoint, check_metrics, plan as retention_plan
 
         pins = self.run(run).pins()
         tags = {step: ((p["tag"],) if p["tag"] else ()) for step, p in pins.items()}
         infos = self.checkpoints(run)
         if not infos:
             raise CheckpointNotFoundError(self._no_checkpoint(run))
-        decided = retention_plan([Checkpoint.from_info(i, pinned=i.step in pins, tags=tags.get(i.step, ()))
-                                  for i in infos], rules)
+        checkpoints = [Checkpoint.from_info(i, pinned=i.step in pins, tags=tags.get(i.step, ())) for i in infos]
+        if missing_metrics == "error":
+            check_metrics(checkpoints, rules, f"run {run!r}")
+        decided = retention_plan(checkpoints, rules)
         if not dry_run:
             for step in decided.remove:  # oldest first; the newest is never among them, so `latest` stays valid
                 self.store.delete(manifest_key(run, step))
@@ -811,20 +856,19 @@ class Repo:
         logical = 0
         checkpoints = 0
         damaged = 0
-        for r in self.runs():
-            for s in self.steps(r):
-                try:
-                    logical += self.manifest(r, s).stats["logical_bytes"]
-                except IntegrityError:
-                    damaged += 1  # counted, not fatal: `verify` names it
-                    continue
-                checkpoints += 1
+        for r, s in catalog.scan(self.store).pairs():
+            try:
+                logical += self.manifest(r, s).stats["logical_bytes"]
+            except (IntegrityError, UnsupportedFormatError, StorageError):
+                damaged += 1  # counted, not fatal: `verify` names it
+                continue
+            checkpoints += 1
         sizes = {"packs": 0, "index": 0, "runs": 0, "refs": 0}
         for top in sizes:
             for key in self.store.list(top + "/"):
                 try:
                     sizes[top] += self.store.size(key)
-                except KeyNotFound:
+                except (KeyNotFound, StorageError):
                     pass
         physical = sum(sizes.values())
         return {"checkpoints": checkpoints, "damaged_manifests": damaged, "logical_bytes": logical, "physical_bytes": physical,
@@ -931,6 +975,7 @@ class VerifyReport:
     chunks: int
     bytes: int
     problems: list[IntegrityError]
+    strays: list[Stray] = field(default_factory=list)  # entries that are not luopan's, skipped (not damage)
 
     @property
     def ok(self) -> bool:
@@ -990,10 +1035,38 @@ def _check_json(name: str, value: Any, kind: type) -> None:
     try:
         canonical(value)
     except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, ints > 4300 digits, lone surrogates
+        where = _json_culprit(value, name)
         raise UnsupportedValueError(
             f"{name} must hold only JSON-storable values (str without lone surrogates, finite numbers, ints under "
-            f"4300 digits, bool, None, lists, dicts): {exc}"
+            f"4300 digits, bool, None, lists, dicts with str keys){' — ' + where if where else ''}: {exc}"
         ) from None
+
+
+def _json_culprit(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where in ``value`` the first value canonical JSON refuses lies, e.g. ``metadata['a'][2]`` (None if unknown)."""
+    if depth > 200:
+        return f"{path} (nested too deeply)"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            try:
+                canonical({k: None})
+            except (TypeError, ValueError):
+                return f"the key {k!r} in {path}"
+            found = _json_culprit(v, f"{path}[{k!r}]", depth + 1)
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _json_culprit(v, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+        return None
+    try:
+        canonical(value)
+    except (TypeError, ValueError):
+        return f"at {path}"
+    return None
 
 
 def _human(n: float) -> str:

@@ -17,10 +17,21 @@ from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptRepoError,
+    IntegrityError,
+    StorageError,
+    UnreadableError,
+    UnsupportedFormatError,
+    UnsupportedValueError,
+)
 from ..format import BASE_FORMAT_VERSION, refuse_newer
 from ..format.canonical import SealError, canonical, parse_object, seal, verify_seal
-from ..format.names import check_run, check_step, manifest_key
+from ..format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
+from ..format.names import MAX_STEP, check_run, check_step, check_tag, latest_ref_key, manifest_key
+from ..format.refs import parse_ref
 from ..locks import locked
 from ..store.base import KeyNotFound
 
@@ -153,9 +164,70 @@ def _parse(data: bytes, where: str) -> dict[str, Any]:
         refuse_newer(obj, where)
         return verify_seal(obj)
     except SealError as exc:
-        from ..errors import CorruptRepoError
-
         raise CorruptRepoError(f"{where} is damaged: {exc}") from None
+
+
+def _require(doc: dict[str, Any], where: str, **fields: Any) -> None:
+    """CorruptRepoError unless each named member has the given type (a tuple of types; int excludes bool)."""
+    for name, types in fields.items():
+        value = doc.get(name)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise CorruptRepoError(f"{where} is damaged: member {name!r} is missing or of the wrong type")
+
+
+def _check_step_field(doc: dict[str, Any], where: str, step: int | None) -> None:
+    value = doc.get("step")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_STEP or \
+            (step is not None and value != step):
+        raise CorruptRepoError(f"{where} is damaged: it names step {value!r}" + (f", not {step}" if step is not None
+                                                                                 else ""))
+
+
+def parse_record(data: bytes, where: str, run: str | None = None) -> dict[str, Any]:
+    """A run record (docs/format.md §8.1), checked; CorruptRepoError on damage."""
+    doc = _parse(data, where)
+    _require(doc, where, run=(str,), created=(str,), argv=(list,), cwd=(str,), python=(str,), platform=(str,),
+             packages=(dict,), environment=(dict,), config=(dict, type(None)), git=(dict, type(None)))
+    if run is not None and doc["run"] != run:
+        raise CorruptRepoError(f"{where} is damaged: it is the record of run {doc['run']!r}")
+    if not all(isinstance(a, str) for a in doc["argv"]) or not all(
+            isinstance(v, str) for d in (doc["packages"], doc["environment"]) for v in d.values()):
+        raise CorruptRepoError(f"{where} is damaged: argv, packages and environment must hold strings")
+    git = doc.get("git")
+    if git is not None:
+        _require(git, where, commit=(str,), dirty=(bool,), diff=(str,), untracked_files=(list,))
+    return doc
+
+
+def parse_eval(data: bytes, where: str, run: str | None = None, step: int | None = None) -> dict[str, Any]:
+    """An eval log (docs/format.md §8.1), checked; its metrics are decoded (NaN/±inf restored)."""
+    from ..format.manifest import decode_metrics
+
+    doc = _parse(data, where)
+    _require(doc, where, run=(str,), name=(str,), created=(str,), metrics=(dict,), samples=(list,))
+    _check_step_field(doc, where, step)
+    if run is not None and doc["run"] != run:
+        raise CorruptRepoError(f"{where} is damaged: it is an eval of run {doc['run']!r}")
+    doc["metrics"] = decode_metrics(doc["metrics"])
+    return doc
+
+
+def parse_pin(data: bytes, where: str, run: str | None = None, step: int | None = None) -> dict[str, Any]:
+    """A pin (docs/format.md §9.1), checked."""
+    doc = _parse(data, where)
+    _require(doc, where, run=(str,), created=(str,), tag=(str, type(None)))
+    _check_step_field(doc, where, step)
+    if run is not None and doc["run"] != run:
+        raise CorruptRepoError(f"{where} is damaged: it pins a checkpoint of run {doc['run']!r}")
+    return doc
+
+
+_READ_PROBLEMS = (IntegrityError, UnsupportedFormatError, StorageError)
+
+
+def as_problem(exc: Exception) -> Exception:
+    """A verify problem: integrity errors as they are, an unreadable file as UnreadableError."""
+    return UnreadableError(str(exc)) if isinstance(exc, StorageError) else exc
 
 
 class Run:
@@ -171,29 +243,39 @@ class Run:
 
     def record(self) -> dict[str, Any] | None:
         """The run record written by its first save, or None for a run saved before records existed."""
+        key = record_key(self.name)
         try:
-            return _parse(self.repo.store.get(record_key(self.name)), record_key(self.name))
+            return parse_record(self.repo.store.get_limited(key, MAX_RECORD_BYTES), key, self.name)
         except KeyNotFound:
             return None
 
     def write_record(self, config: dict[str, Any] | None = None) -> bool:
         """Write the run's record if it has none (returns whether this call wrote it)."""
-        return self.repo.store.put_if_absent(record_key(self.name), seal(build_record(self.name, config)))
+        data = seal(build_record(self.name, config))
+        if len(data) > MAX_RECORD_BYTES:
+            raise UnsupportedValueError(f"the record of run {self.name!r} would be {len(data)} bytes, more than "
+                                        f"readers accept ({MAX_RECORD_BYTES}): pass a smaller config")
+        return self.repo.store.put_if_absent(record_key(self.name), data)
 
     def log_eval(self, step: int, metrics: dict[str, Any], samples: list[Any] | None = None, *,
                  name: str = "eval", overwrite: bool = False) -> None:
         """Keep an evaluation at ``step``: its metrics and per-sample outputs (JSON values, e.g. dicts of prompt,
         output, reference, score). Written atomically; one per step unless ``overwrite``."""
-        check_step(step)
+        step = check_step(step)
         from ..format.manifest import encode_metrics
 
+        if not isinstance(name, str) or not name.isprintable() or not 0 < len(name) <= 128:
+            raise UnsupportedValueError(f"an eval name must be 1-128 printable characters, got {name!r}")
         try:
             doc = {"format_version": BASE_FORMAT_VERSION, "run": self.name, "step": step, "name": name,
                    "created": datetime.now(timezone.utc).isoformat(), "metrics": encode_metrics(metrics),
                    "samples": json.loads(canonical(list(samples or [])))}
             data = seal(doc)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise UnsupportedValueError(f"eval of run {self.name!r} step {step} must hold JSON values: {exc}") from None
+        if len(data) > MAX_EVAL_BYTES:
+            raise UnsupportedValueError(f"eval of run {self.name!r} step {step} would be {len(data)} bytes, more than "
+                                        f"readers accept ({MAX_EVAL_BYTES}): keep fewer or smaller samples")
         key = eval_key(self.name, step)
         if overwrite:
             self.repo.store.put(key, data)
@@ -201,34 +283,25 @@ class Run:
             raise CheckpointExistsError(f"run {self.name!r} already has an eval at step {step}; pass overwrite=True")
 
     def evals(self) -> list[int]:
-        prefix = f"runs/{self.name}/evals/"
-        steps = []
-        for key in self.repo.store.list(prefix):
-            stem = key[len(prefix):].removesuffix(".json")
-            if stem.isdigit() and len(stem) == 8:
-                steps.append(int(stem))
-        return sorted(steps)
+        return [step for _key, step in self._step_files(f"runs/{self.name}/evals/")]
 
     def eval(self, step: int) -> dict[str, Any]:
+        step = check_step(step)
         key = eval_key(self.name, step)
         try:
-            doc = _parse(self.repo.store.get(key), key)
+            return parse_eval(self.repo.store.get_limited(key, MAX_EVAL_BYTES), key, self.name, step)
         except KeyNotFound:
             raise CheckpointNotFoundError(f"run {self.name!r} has no eval at step {step}; it has: "
                                           f"{self.evals() or 'none'}") from None
-        from ..format.manifest import decode_metrics
-
-        doc["metrics"] = decode_metrics(doc["metrics"])
-        return doc
 
     # -- pins (docs/format.md §9.1): pinned checkpoints are never removed by prune --------------------------------
     def pin(self, step: int, tag: str | None = None) -> None:
         """Protect checkpoint ``step`` from pruning (optionally with a tag, e.g. "release-1")."""
-        check_step(step)
+        step = check_step(step)
+        if tag is not None:
+            check_tag(tag)
         if step not in self.repo.steps(self.name):
             raise CheckpointNotFoundError(f"run {self.name!r} has no checkpoint at step {step} to pin")
-        if tag is not None and (not isinstance(tag, str) or not tag or len(tag) > 128):
-            raise UnsupportedValueError(f"a pin tag must be a non-empty str of at most 128 characters, got {tag!r}")
         doc = {"format_version": BASE_FORMAT_VERSION, "run": self.name, "step": step, "tag": tag,
                "created": datetime.now(timezone.utc).isoformat()}
         # Shared lock: a prune in progress finishes first (it read the pins), then the checkpoint must still exist.
@@ -242,7 +315,7 @@ class Run:
 
     def unpin(self, step: int) -> bool:
         """Remove the pin of ``step``; returns whether there was one."""
-        check_step(step)
+        step = check_step(step)
         key = pin_key(self.name, step)
         if not self.repo.store.exists(key):
             return False
@@ -250,16 +323,50 @@ class Run:
         return True
 
     def pins(self) -> dict[int, dict[str, Any]]:
-        """step -> {"tag", "created"} of every pinned checkpoint of the run."""
+        """step -> {"tag", "created"} of every pinned checkpoint of the run. A pin that cannot be read raises
+        (CorruptRepoError, StorageError): prune must never proceed without knowing every pin."""
         prefix = f"refs/pins/{self.name}/"
+        for stray in self.repo.store.strays(prefix):
+            if stray.unreadable:
+                raise StorageError(5, f"the pins of run {self.name!r} cannot all be read ({stray}): restore access "
+                                      "to them before pruning")
         out = {}
-        for key in self.repo.store.list(prefix):
-            stem = key[len(prefix):].removesuffix(".json")
-            if not (stem.isdigit() and len(stem) == 8):
-                continue
+        for key, step in self._step_files(prefix):
             try:
-                doc = _parse(self.repo.store.get(key), key)
+                doc = parse_pin(self.repo.store.get_limited(key, MAX_SMALL_BYTES), key, self.name, step)
             except KeyNotFound:
                 continue
-            out[int(stem)] = {"tag": doc.get("tag"), "created": doc.get("created")}
+            out[step] = {"tag": doc.get("tag"), "created": doc.get("created")}
         return dict(sorted(out.items()))
+
+    def _step_files(self, prefix: str) -> list[tuple[str, int]]:
+        """(key, step) of the ``<step:08d>.json`` files under ``prefix`` (other names are not luopan's)."""
+        out = []
+        for key in self.repo.store.list(prefix):
+            stem = key[len(prefix):].removesuffix(".json")
+            if key.endswith(".json") and stem.isascii() and stem.isdigit() and len(stem) == 8:
+                out.append((key, int(stem)))
+        return sorted(out, key=lambda kv: kv[1])
+
+    def problems(self) -> list[Exception]:
+        """Every damaged or unreadable file of the run besides its manifests: record, eval logs, pins and latest
+        ref (for ``verify``)."""
+        store = self.repo.store
+        found: list[Exception] = []
+        checks = [(record_key(self.name), MAX_RECORD_BYTES, lambda d, k: parse_record(d, k, self.name))]
+        checks += [(k, MAX_EVAL_BYTES, lambda d, k, s=s: parse_eval(d, k, self.name, s))
+                   for k, s in self._step_files(f"runs/{self.name}/evals/")]
+        checks += [(k, MAX_SMALL_BYTES, lambda d, k, s=s: parse_pin(d, k, self.name, s))
+                   for k, s in self._step_files(f"refs/pins/{self.name}/")]
+        checks.append((latest_ref_key(self.name), MAX_SMALL_BYTES, parse_ref))
+        for key, limit, parse in checks:
+            try:
+                parse(store.get_limited(key, limit), key)
+            except KeyNotFound:
+                continue
+            except _READ_PROBLEMS as exc:
+                found.append(as_problem(exc))
+        for stray in store.strays(f"refs/pins/{self.name}/"):
+            if stray.unreadable:
+                found.append(UnreadableError(f"cannot read the pins of run {self.name!r}: {stray}"))
+        return found

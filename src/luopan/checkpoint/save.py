@@ -17,13 +17,15 @@ import zstandard
 
 from .._crash import crashpoint
 from ..format import BASE_FORMAT_VERSION
-from ..errors import CheckpointExistsError, LuopanError
-from ..format.canonical import seal, sealed_checksum
+from ..errors import CheckpointExistsError, LuopanError, UnsupportedValueError
+from ..format.canonical import sealed_checksum
 from ..format.chunking import chunk_spans
 from ..format.config import RepoConfig
 from ..format.index import build_index
+from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import encode_metrics, seal_manifest, stored_rows, structure_fingerprint
 from ..format.names import index_key, latest_ref_key, manifest_key, pack_key
+from ..format.refs import build_ref
 from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import KeyNotFound, Store
 from ..tree import Leaf
@@ -398,6 +400,10 @@ def write_checkpoint(
     if code is not None:
         doc["code"] = code
     data = seal_manifest(doc)  # raises on metadata that is not JSON
+    if len(data) > MAX_MANIFEST_BYTES:  # readers refuse larger ones (docs/format.md §11): never commit one
+        raise UnsupportedValueError(
+            f"the manifest of run {run!r} step {step} would be {len(data)} bytes, more than readers accept "
+            f"({MAX_MANIFEST_BYTES}): use a larger chunk_size for this repository, or split the state into runs")
     mkey = manifest_key(run, step)
     try:
         if overwrite:
@@ -415,9 +421,8 @@ def write_checkpoint(
         raise
     # The checkpoint is committed now. The ref is advisory (docs/format.md §9): failing to update it must not
     # report the save as failed, or a caller would retry a step that already exists.
-    ref = {"manifest": mkey, "manifest_checksum": sealed_checksum(data), "step": step}
     try:
-        store.put(latest_ref_key(run), seal(ref))
+        store.put(latest_ref_key(run), build_ref(run, step, sealed_checksum(data)))
     except OSError as exc:
         warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
                       f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=3)

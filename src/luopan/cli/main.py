@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Optional, TypeVar
 
@@ -22,7 +23,7 @@ from .. import plan as _plan
 from ..checkpoint.repo import CheckpointInfo, Repo, init as repo_init, open as repo_open
 from ..format import FORMAT_VERSION
 from ..format.names import manifest_key
-from ..errors import IntegrityError, LuopanError, UnsupportedFormatError
+from ..errors import IntegrityError, LuopanError, StorageError, UnsupportedFormatError
 
 app = typer.Typer(
     name="luopan",
@@ -32,7 +33,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 RepoOpt = Annotated[
     str,
@@ -50,14 +51,37 @@ def _handles_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except LuopanError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            err.print(f"[bold red]error:[/] {_escape(str(exc))}", highlight=False, markup=True)
             raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:  # a system error no luopan type names (e.g. writing the output): one line, exit 1
+            err.print(f"[bold red]error:[/] {_escape(str(exc))}", highlight=False, markup=True)
+            raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
 
 
 def _open(repo: str) -> Repo:
     return repo_open(repo, create=False, replicate=False)  # a tiered repo: reads fall back, no replication here
+
+
+def _escape(text: str) -> str:
+    """Text for rich markup: user-controlled names must not be read as [style] tags."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _report_strays(r: Repo, run: str | None = None) -> None:
+    """A line on stderr when the repository holds entries that are not luopan's (skipped by every command), and one
+    when part of it cannot be read (a dangling link, an unreadable directory: checkpoints there are not seen)."""
+    strays = r.strays(run)
+    for unreadable, what in ((True, "cannot be read (checkpoints there are not listed, and gc will not run)"),
+                             (False, "are not luopan's and were skipped")):
+        group = [s for s in strays if s.unreadable == unreadable]
+        if group:
+            shown = "; ".join(str(s) for s in group[:3]) + (f"; … {len(group) - 3} more" if len(group) > 3 else "")
+            err.print(f"[yellow]note:[/] {len(group)} entr{'y' if len(group) == 1 else 'ies'} {what}: "
+                      f"{_escape(shown)} (`luopan verify` lists them)", highlight=False)
 
 
 def human(n: float) -> str:
@@ -126,6 +150,7 @@ def ls(
     """List runs, or the checkpoints of RUN with sizes, bytes newly written and dedup ratio."""
     r = _open(repo)
     if run is None:
+        _report_strays(r)
         rows = []
         for name in r.runs():
             cps, damaged = _checkpoints(r, name)
@@ -153,7 +178,7 @@ def ls(
     if not cps and not damaged:
         raise typer.Exit(_not_found(f"run {run!r} has no checkpoints"))
     for step, why in damaged:
-        err.print(f"[bold red]DAMAGED[/] step {step}: {why}", highlight=False)
+        err.print(f"[bold red]DAMAGED[/] step {step}: {_escape(why)}", highlight=False)
     tiers = r.replication_status(run) if r.tier is not None else None  # tiered: local/replicating/replicated/…
     if as_json:
         _emit_json({"run": run, "damaged": [{"step": s, "error": w} for s, w in damaged], "checkpoints": [
@@ -162,6 +187,8 @@ def ls(
              "chunks": c.chunks, "new_chunks": c.new_chunks, "dedup_ratio": _json_ratio(c.dedup_ratio),
              "fingerprint": c.fingerprint, **({"tier": tiers.get(c.step)} if tiers is not None else {})}
             for c in cps]})
+        if damaged:
+            raise typer.Exit(3)
         return
     t = Table(title=f"checkpoints of {run}")
     for col in ("step", "time", "metrics", "logical", "written", "dedup") + (("tier",) if tiers is not None else ()):
@@ -171,6 +198,10 @@ def ls(
                   human(c.stored_bytes), _ratio(c.dedup_ratio), *((tiers.get(c.step, "?"),) if tiers is not None
                                                                    else ()))
     out.print(t)
+    if damaged:
+        err.print(f"[bold red]{len(damaged)} damaged checkpoint(s)[/]; run `luopan verify -r {_escape(repo)} "
+                  f"{_escape(run)}` for details")
+        raise typer.Exit(3)
 
 
 def _checkpoints(r: Repo, run: str) -> tuple[list[CheckpointInfo], list[tuple[int, str]]]:
@@ -179,7 +210,7 @@ def _checkpoints(r: Repo, run: str) -> tuple[list[CheckpointInfo], list[tuple[in
     for step in r.steps(run):
         try:
             infos.append(CheckpointInfo.from_manifest(r.manifest(run, step), manifest_key(run, step)))
-        except (IntegrityError, UnsupportedFormatError) as exc:
+        except (IntegrityError, UnsupportedFormatError, StorageError) as exc:
             damaged.append((step, str(exc)))
     return infos, damaged
 
@@ -280,13 +311,20 @@ def verify(
         except IntegrityError as exc:
             bar.stop()
             problems = getattr(exc, "problems", [exc])
+            report = getattr(exc, "report", None)
+            for s in (report.strays if report is not None else []):
+                err.print(f"[yellow]not luopan's[/] (skipped) {_escape(str(s))}", highlight=False)
             for p in problems:
-                err.print(f"[bold red]DAMAGED[/] {p}", highlight=False)
+                err.print(f"[bold red]DAMAGED[/] {_escape(str(p))}", highlight=False)
             err.print(f"[bold red]{len(problems)} problem(s) found[/]; undamaged checkpoints stay loadable "
                       "(run `luopan verify RUN STEP` to check one)")
             raise typer.Exit(3) from None
+    for s in report.strays:
+        err.print(f"[yellow]not luopan's[/] (skipped) {_escape(str(s))}", highlight=False)
     out.print(f"[green]ok[/]: {report.checkpoints} checkpoint(s), {report.chunks} chunks, "
-              f"{human(report.bytes)} read and verified")
+              f"{human(report.bytes)} read and verified"
+              + (f"; {len(report.strays)} entr{'y' if len(report.strays) == 1 else 'ies'} that "
+                 f"{'is' if len(report.strays) == 1 else 'are'} not luopan's skipped" if report.strays else ""))
 
 
 @app.command()
@@ -344,6 +382,7 @@ def diff(
 def du(repo: RepoOpt, as_json: JsonOpt = False) -> None:
     """Logical size of all checkpoints vs physical size on storage."""
     r = _open(repo)
+    _report_strays(r)
     d = r.du()
     ratio = d["logical_bytes"] / d["physical_bytes"] if d["physical_bytes"] else 0.0
     if as_json:
@@ -466,6 +505,7 @@ def gc(
     """
     seconds = _grace(grace)
     r = _open(repo)
+    _report_strays(r)
     if as_json:
         rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run)
         _emit_json(rep.to_json())
@@ -648,6 +688,13 @@ def _root(
 
     Exit codes: 0 ok, 1 error, 2 usage, 3 damaged data, 4 not found, 5 repository newer than this luopan.
     """
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """Warnings as one line on stderr (``warning: …``), not Python's two-line form with a source line."""
+    err.print(f"[yellow]warning:[/] {_escape(str(message))}", highlight=False)
 
 
 def main() -> None:

@@ -32,12 +32,22 @@ def seal(obj: dict[str, Any]) -> bytes:
     return canonical({**body, CHECKSUM_FIELD: "blake3:" + digest(encoded)})
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _v in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup[:100]!r}")
+    return obj
+
+
 def parse_object(data: bytes) -> dict[str, Any]:
-    """Parse a JSON object; SealError when the bytes are not one."""
+    """Parse a JSON object; SealError when the bytes are not one. A key given twice in one object is refused:
+    parsers disagree on which value wins, so such a file could mean different things to different readers."""
     try:
-        obj = json.loads(data)
+        obj = json.loads(data, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise SealError(f"not valid JSON ({exc})") from None
+        raise SealError(f"not valid JSON ({str(exc)[:200]})") from None
     except RecursionError:
         raise SealError("JSON nested too deeply") from None
     if not isinstance(obj, dict):
@@ -71,6 +81,10 @@ def sealed_checksum(data: bytes) -> str:
     """The checksum recorded in sealed bytes (for refs that pin a manifest); unverified. Reads it from the front
     when `seal` put it there (the usual case) instead of parsing a possibly large document again."""
     if data.startswith(_CHECKSUM_PREFIX):
-        end = data.index(b'"', len(_CHECKSUM_PREFIX))
-        return data[len(_CHECKSUM_PREFIX) : end].decode()
-    return str(json.loads(data).get(CHECKSUM_FIELD, ""))
+        end = data.find(b'"', len(_CHECKSUM_PREFIX))
+        if end > 0:
+            return data[len(_CHECKSUM_PREFIX) : end].decode("ascii", "replace")
+    try:
+        return str(parse_object(data).get(CHECKSUM_FIELD, ""))
+    except SealError:
+        return ""

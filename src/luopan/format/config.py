@@ -10,11 +10,16 @@ from typing import Any
 from ..errors import ConfigConflictError, CorruptRepoError
 from . import BASE_FORMAT_VERSION, refuse_newer
 from .canonical import SealError, parse_object, seal, verify_seal
+from .limits import MAX_PACK_SIZE
+from .pack import CODECS
 
 CONFIG_KEY = "luopan.json"
 DEFAULT_CHUNK_SIZE = 4 << 20  # docs/format.md §3: 7.5 vs 5.7 GB/s two-thread BLAKE3 over 1 MiB chunks
 DEFAULT_PACK_SIZE = 64 << 20
-CODECS = ("none", "zstd")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,9 @@ class Compression:
     level: int = 3
 
     def __post_init__(self) -> None:
+        if not isinstance(self.codec, str) or not _is_int(self.level):
+            raise ConfigConflictError(f"compression must be a codec name and an integer level, got {self.codec!r} "
+                                      f"level {self.level!r}")
         if self.codec not in CODECS:
             raise ConfigConflictError(f"unknown compression codec {self.codec!r}: use one of {', '.join(CODECS)}")
         if self.codec == "zstd" and not 1 <= self.level <= 22:
@@ -53,10 +61,19 @@ class RepoConfig:
     hash: str = "blake3"
 
     def __post_init__(self) -> None:
+        for name in ("chunk_size", "pack_size", "format_version"):
+            if not _is_int(getattr(self, name)):
+                raise ConfigConflictError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("repo_id", "created", "hash"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigConflictError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.compression, Compression):
+            raise ConfigConflictError(f"compression must be a Compression, got {self.compression!r}")
         if not (4096 <= self.chunk_size <= 1 << 30):
             raise ConfigConflictError(f"chunk_size {self.chunk_size} out of range: use 4 KiB .. 1 GiB")
-        if self.pack_size < self.chunk_size:
-            raise ConfigConflictError(f"pack_size {self.pack_size} must be at least chunk_size {self.chunk_size}")
+        if not self.chunk_size <= self.pack_size <= MAX_PACK_SIZE:
+            raise ConfigConflictError(f"pack_size {self.pack_size} out of range: use chunk_size ({self.chunk_size}) "
+                                      f"to {MAX_PACK_SIZE} bytes")
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
@@ -71,7 +88,8 @@ class RepoConfig:
             d = verify_seal(obj)
             comp = d.pop("compression")
             if d.get("hash") != "blake3":
-                raise ValueError(f"unknown hash {d.get('hash')!r}")
+                raise ValueError(f"unknown hash {str(d.get('hash'))[:40]!r}")
             return cls(compression=Compression(comp["codec"], comp.get("level", 3)), **d)
-        except (SealError, KeyError, TypeError, ValueError) as exc:
-            raise CorruptRepoError(f"repository config {where} is damaged: {exc}") from None
+        except (SealError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptRepoError(f"repository config {where} is damaged: {str(exc)[:300]}") from None
+

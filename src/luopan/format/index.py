@@ -7,7 +7,9 @@ from typing import Any
 from ..errors import CorruptRepoError
 from . import BASE_FORMAT_VERSION
 from .canonical import SealError, canonical, digest, seal, unseal
-from .pack import BlobLocation
+from .limits import MAX_OFFSET
+from .names import is_hex64
+from .pack import CODECS, BlobLocation
 
 
 def build_index(packs: dict[str, list[dict[str, Any]]]) -> tuple[str, bytes]:
@@ -21,13 +23,29 @@ def build_index(packs: dict[str, list[dict[str, Any]]]) -> tuple[str, bytes]:
 
 
 def parse_index(data: bytes, where: str) -> dict[str, BlobLocation]:
+    """Chunk hash -> location from an index file, every row checked (pack ids and hashes are hex digests, offsets
+    and sizes bounded integers, codecs known). CorruptRepoError on any damage."""
     try:
         doc = unseal(data)
+        packs = doc["packs"]
+        if not isinstance(packs, dict):
+            raise TypeError("packs is not an object")
         out = {}
-        for pack, rows in doc["packs"].items():
-            for h, off, length, size, codec in rows:
+        for pack, rows in packs.items():
+            if not is_hex64(pack) or not isinstance(rows, list):
+                raise ValueError("a pack id is not a hex digest")
+            for row in rows:
+                h, off, length, size, codec = row
+                if not (is_hex64(h) and codec in CODECS and all(_bounded(v) for v in (off, length, size))
+                        and length > 0 and size > 0):
+                    raise ValueError("a row is not (hash, offset, length, size, codec)")
                 out[h] = BlobLocation(pack, off, length, size, codec)
         return out
     except (SealError, KeyError, TypeError, ValueError) as exc:
-        raise CorruptRepoError(f"index file {where} is damaged: {exc}; it is only used for deduplication, "
-                               "delete it to continue (the next saves may store some chunks again)") from None
+        raise CorruptRepoError(f"index file {where} is damaged: {str(exc)[:200]}; it is only used for "
+                               "deduplication, delete it to continue (the next saves may store some chunks again)"
+                               ) from None
+
+
+def _bounded(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_OFFSET

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -13,6 +14,7 @@ from fastjsonschema import JsonSchemaException
 
 from ..errors import CorruptManifestError
 from . import refuse_newer
+from .limits import MAX_NBYTES, MAX_NDIM, shape_fits
 from .canonical import SealError, canonical, digest, parse_object, seal, verify_seal
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -111,7 +113,9 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
     try:
         _validator()(doc)
     except JsonSchemaException as e:
-        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message}") from None
+        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
+    except RecursionError:
+        raise CorruptManifestError(f"manifest {where}: its tree is nested too deeply") from None
     _check_consistency(doc, where)
     if run is not None and (doc["run"], doc["step"]) != (run, step):
         raise CorruptManifestError(
@@ -127,6 +131,8 @@ def stored_rows(entry: dict[str, Any]) -> list[list[Any]]:
 
 
 MAX_CHUNK_BYTES = 1 << 30  # the largest chunk_size a repository may have (format/config.py)
+
+
 
 
 def chunk_bytes(chunks: list[list[Any]], npacks: int, path: str, bad: Any) -> int:
@@ -152,6 +158,12 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
     def bad(msg: str) -> CorruptManifestError:
         return CorruptManifestError(f"manifest {where}: {msg}")
 
+    try:
+        created = datetime.fromisoformat(doc["created"].replace("Z", "+00:00"))
+    except ValueError:
+        created = None
+    if created is None or created.utcoffset() is None:
+        raise bad(f"created time {doc['created'][:40]!r} is not an ISO-8601 time with a timezone")
     npacks = len(doc["packs"])
     entries = doc["entries"]
     for i, e in enumerate(entries):
@@ -159,6 +171,9 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
         size = itemsize(e["kind"], e["dtype"])
         if size is None:
             raise bad(f"entry {path!r} has unsupported {e['kind']} dtype {e['dtype']!r}")
+        if not shape_fits(e["shape"], size):
+            raise bad(f"entry {path!r}: shape {e['shape'][:8]}… cannot be allocated (at most {MAX_NDIM} dimensions "
+                      f"and {MAX_NBYTES} bytes counting empty ones as 1)")
         if math.prod(e["shape"]) * size != e["nbytes"]:
             raise bad(f"entry {path!r}: shape {e['shape']} of {e['dtype']} is not {e['nbytes']} bytes")
         if e.get("scalar") and e["shape"]:

@@ -2,29 +2,61 @@
 
 from __future__ import annotations
 
+import numbers
 import re
+import unicodedata
 
 from ..errors import InvalidNameError
 
-RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+# Every name check is a *full* match: `re.match` with `$` accepts a final newline ("exp-1\n"), which then names a
+# directory no reader finds. Patterns here have no anchors; callers use `fullmatch` (`is_run_name`, `is_hex64`).
+RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
+HEX64_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
 MAX_STEP = 10**15 - 1
 MANIFEST_SUFFIX = ".json"
+MAX_TAG_CHARS = 128
+
+
+def is_run_name(name: object) -> bool:
+    return isinstance(name, str) and RUN_RE.fullmatch(name) is not None
+
+
+def is_hex64(text: object) -> bool:
+    return isinstance(text, str) and HEX64_RE.fullmatch(text) is not None
 
 
 def check_run(run: object) -> str:
-    if not isinstance(run, str) or not RUN_RE.match(run):
+    """The one validation of run names (docs/format.md §2), before any write: a full match, so no newline, NUL,
+    path separator, '..' or non-ASCII lookalike can reach a key."""
+    if not is_run_name(run):
+        shown = repr(run) if not isinstance(run, str) or len(run) <= 80 else repr(run[:80]) + f"… ({len(run)} chars)"
         raise InvalidNameError(
-            f"invalid run name {run!r}: use 1-128 characters from letters, digits, '.', '_' and '-', "
+            f"invalid run name {shown}: use 1-128 characters from ASCII letters, digits, '.', '_' and '-', "
             "starting with a letter or digit (e.g. 'llama-lora-r16')"
         )
     return run
 
 
 def check_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise InvalidNameError(f"invalid step {step!r}: use an integer from 0 to {MAX_STEP}")
-    return step
+    """A step is an integer 0 ≤ step ≤ MAX_STEP (NumPy and torch integer scalars too); bools and floats are not."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):  # NumPy's bool is not Integral
+        value = int(step)
+        if 0 <= value <= MAX_STEP:
+            return value
+    elif hasattr(step, "item") and getattr(step, "ndim", None) == 0 and not getattr(step, "is_floating_point",
+                                                                                       lambda: True)():
+        return check_step(step.item())  # a 0-d integer tensor
+    shown = repr(step) if len(repr(step)) <= 40 else repr(step)[:40] + "…"
+    raise InvalidNameError(f"invalid step {shown}: use an integer from 0 to {MAX_STEP}")
+
+
+def check_tag(tag: object) -> str:
+    """A pin tag: 1-128 printable characters (no control characters, no lone surrogates), e.g. 'release-1'."""
+    if (not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG_CHARS or not tag.isprintable()
+            or any(unicodedata.category(c) == "Cs" for c in tag)):
+        shown = repr(tag) if not isinstance(tag, str) or len(tag) <= 80 else repr(tag[:80]) + "…"
+        raise InvalidNameError(f"invalid tag {shown}: use 1-{MAX_TAG_CHARS} printable characters, e.g. 'release-1'")
+    return tag
 
 
 def manifest_key(run: str, step: int) -> str:
@@ -40,9 +72,11 @@ def step_from_manifest_key(key: str) -> int | None:
     if not name.endswith(MANIFEST_SUFFIX):
         return None
     digits = name[: -len(MANIFEST_SUFFIX)]
-    if not (digits.isascii() and digits.isdigit()):
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > len(str(MAX_STEP)):
         return None
     step = int(digits)
+    if step > MAX_STEP:
+        return None
     return step if digits == f"{step:08d}" else None  # only the canonical name of a step counts
 
 
@@ -51,13 +85,24 @@ def latest_ref_key(run: str) -> str:
 
 
 def pack_key(pack_id: str) -> str:
-    if not HEX64_RE.match(pack_id):
-        raise ValueError(f"invalid pack id {pack_id!r}")
+    if not is_hex64(pack_id):
+        raise InvalidNameError(f"invalid pack id {pack_id!r}")
     return f"packs/{pack_id[:2]}/{pack_id}.pack"
 
 
 def index_key(index_id: str) -> str:
     return f"index/{index_id}.json"
+
+
+def is_index_key(key: str) -> bool:
+    """``index/<64 hex>.json``: the only keys under index/ that are index files (others are strays)."""
+    return key.startswith("index/") and key.endswith(".json") and is_hex64(key[len("index/"):-len(".json")])
+
+
+def is_pack_key(key: str) -> bool:
+    """``packs/<2 hex>/<64 hex>.pack`` with the directory matching the id."""
+    name = key.rsplit("/", 1)[-1]
+    return name.endswith(".pack") and is_hex64(name[:-5]) and key == f"packs/{name[:2]}/{name}"
 
 
 def escape_key(key: str | int) -> str:

@@ -11,6 +11,10 @@ from typing import Any
 import blake3
 
 from .canonical import canonical
+from .limits import MAX_OFFSET, MAX_TRAILER_BYTES
+from .names import is_hex64
+
+CODECS = ("none", "zstd")
 
 MAGIC = b"LUOPANPK"
 TRAILER_MAGIC = b"LPIX"
@@ -70,9 +74,10 @@ class PackFormatError(ValueError):
 def parse_trailer(head: bytes, tail: bytes, file_size: int) -> tuple[str, list[dict[str, Any]]]:
     """Parse a pack's trailer given its first 16 bytes and its last bytes (which must contain the trailer).
 
-    Returns (pack id computed from the trailer, blob records). Raises PackFormatError on damage.
+    Returns (pack id computed from the trailer, blob records, each checked: hash, offset/length inside the file,
+    size, codec). Raises PackFormatError on damage.
     """
-    if head[:8] != MAGIC:
+    if len(head) < HEADER_SIZE or head[:8] != MAGIC:
         raise PackFormatError("bad pack header magic")
     (version,) = struct.unpack("<I", head[8:12])
     if version > PACK_VERSION:
@@ -80,12 +85,21 @@ def parse_trailer(head: bytes, tail: bytes, file_size: int) -> tuple[str, list[d
     if len(tail) < FOOTER_SIZE or tail[-4:] != TRAILER_MAGIC:
         raise PackFormatError("bad pack footer (truncated?)")
     (tlen,) = struct.unpack("<Q", tail[-12:-4])
-    if tlen + FOOTER_SIZE + HEADER_SIZE > file_size or tlen + FOOTER_SIZE > len(tail):
+    if tlen > MAX_TRAILER_BYTES or tlen + FOOTER_SIZE + HEADER_SIZE > file_size or tlen + FOOTER_SIZE > len(tail):
         raise PackFormatError("pack trailer length out of range")
-    trailer = tail[-(tlen + FOOTER_SIZE) : -FOOTER_SIZE]
+    trailer = tail[len(tail) - FOOTER_SIZE - tlen : len(tail) - FOOTER_SIZE]
+    end = file_size - FOOTER_SIZE - tlen  # where the blobs must end
     try:
         obj = json.loads(trailer)
         blobs = obj["blobs"]
-    except (ValueError, KeyError, TypeError):
+        if not isinstance(blobs, list):
+            raise TypeError
+        for b in blobs:
+            if not (is_hex64(b["hash"]) and b["codec"] in CODECS and all(
+                    isinstance(b[k], int) and not isinstance(b[k], bool) for k in ("offset", "length", "size"))
+                    and HEADER_SIZE <= b["offset"] and 0 < b["length"] and b["offset"] + b["length"] <= end
+                    and 0 < b["size"] <= MAX_OFFSET and (b["codec"] != "none" or b["length"] == b["size"])):
+                raise ValueError
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise PackFormatError("pack trailer is not a valid index") from None
     return blake3.blake3(trailer).hexdigest(), blobs

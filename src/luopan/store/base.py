@@ -9,17 +9,28 @@ Keys are relative, ``/``-separated paths (``packs/ab/<id>.pack``). Contracts eve
   (packs, index files, manifests) use it, so they are never overwritten.
 * ``delete`` of a missing key is a no-op.
 * ``list(prefix)`` yields keys under ``prefix`` (a directory-like prefix ending in ``/`` or ``""``), in no
-  particular order, never temporary files.
-* Running out of space raises ``luopan.errors.StorageFullError``; the failed key is left absent or unchanged.
+  particular order, never temporary files, and only keys that are valid (``valid_key``) and name something ``get``
+  can read: a filesystem's FIFOs, sockets, devices, dangling links and symlink loops are passed over, and
+  ``strays(prefix)`` names them with the reason, for callers to report. Symbolic links inside a repository are
+  followed, to directories and files alike (docs/format.md §2): every walk of a repository sees the same keys.
+* ``get``/``get_range``/``read_into``/``size`` of something that is not a regular object (a directory, a FIFO)
+  raise ``KeyNotFound`` without opening it for reading in a way that could block.
+* Running out of space raises ``luopan.errors.StorageFullError``; any other refusal or failure of the storage
+  (permissions, a read-only filesystem, I/O errors, an unreachable server) raises ``luopan.errors.StorageError``
+  naming the key. Both are ``OSError``s.
+* An invalid key (``valid_key``) raises ``luopan.errors.InvalidNameError``.
 
-Conveniences (``read_into``) are built on the primitives here; backends may override them for speed.
+Conveniences (``read_into``, ``get_limited``) are built on the primitives here; backends may override them.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Union
+
+from ..errors import InvalidNameError, ObjectTooLargeError
 
 Buffer = Union[bytes, bytearray, memoryview]
 Data = Union[Buffer, Sequence[Buffer]]
@@ -27,6 +38,40 @@ Data = Union[Buffer, Sequence[Buffer]]
 
 class KeyNotFound(FileNotFoundError):
     """A key is not in the store."""
+
+
+@dataclass(frozen=True)
+class Stray:
+    """An entry a listing passed over: ``key`` (its relative path; ``/``-terminated for a directory), why, and
+    whether it may hide objects the listing could not see (a dangling link, a directory that cannot be read) —
+    then a walk of the repository is incomplete, and garbage collection must not trust it."""
+
+    key: str
+    reason: str
+    unreadable: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.reason}"
+
+
+def valid_key(key: object) -> bool:
+    """A store key: a non-empty relative ``/``-separated path whose parts are non-empty and not ``.`` or ``..``, with
+    no backslash or NUL. Keys luopan builds always are; an object store may hold others (``index//x.json``)."""
+    if not isinstance(key, str) or not key or "\\" in key or "\0" in key:
+        return False
+    return all(part not in ("", ".", "..") for part in key.split("/"))
+
+
+def check_key(key: str) -> str:
+    if not valid_key(key):
+        raise InvalidNameError(f"invalid store key {key!r}")
+    return key
+
+
+def too_large(key: str, size: int, limit: int, where: str) -> ObjectTooLargeError:
+    return ObjectTooLargeError(
+        f"{key} in {where} is {size} bytes, more than any valid file of its kind ({limit} bytes, docs/format.md "
+        "§11): it is damaged or not luopan's; it was not read")
 
 
 def as_parts(data: Data) -> list[memoryview]:
@@ -68,6 +113,23 @@ class Store(abc.ABC):
         data = self.get_range(key, offset, len(out))
         out[: len(data)] = data
         return len(data)
+
+    def get_limited(self, key: str, limit: int) -> bytes:
+        """The whole object, refusing (``ObjectTooLargeError``, before reading it) one larger than ``limit`` bytes:
+        for files luopan reads whole and parses (manifests, index files, refs, records), so a huge file cannot
+        cost memory in proportion to its size."""
+        size = self.size(key)
+        if size > limit:
+            raise too_large(key, size, limit, self.describe())
+        data = self.get(key)
+        if len(data) > limit:  # replaced by a larger one in between
+            raise too_large(key, len(data), limit, self.describe())
+        return data
+
+    def strays(self, prefix: str = "") -> list[Stray]:
+        """Entries under ``prefix`` that ``list`` passes over because they cannot be objects (special files,
+        dangling links, symlink loops, invalid keys), each with the reason. Backends that hold only objects: none."""
+        return []
 
     def cleanup_temporaries(self) -> int:
         """Remove temporaries left by dead writers; returns how many. Backends without temporaries do nothing."""

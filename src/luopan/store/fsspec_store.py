@@ -25,8 +25,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import LuopanError
-from .base import Data, KeyNotFound, Store, as_parts
+from ..errors import InvalidNameError, MissingDependencyError, ObjectStoreError
+from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
 
 # scheme -> (fsspec protocol, package that implements it, pip extra or package to install)
 OBJECT_STORE_SCHEMES: dict[str, tuple[str, str, str]] = {
@@ -43,12 +43,7 @@ _CONDITIONAL_CREATE = {"s3"}
 _TMP_MARK = ".tmp-"  # docs/format.md §2: readers ignore such names (e.g. copied up from a local repository)
 
 
-class MissingDependencyError(LuopanError, ImportError):
-    """An optional dependency needed for this kind of repository is not installed."""
-
-
-class ObjectStoreError(LuopanError, OSError):
-    """An object-store request failed (network, permissions, missing bucket, server error)."""
+__all__ = ["FsspecStore", "MissingDependencyError", "OBJECT_STORE_SCHEMES", "ObjectStoreError"]
 
 
 def _s3_code(exc: BaseException) -> str | None:
@@ -74,12 +69,13 @@ class FsspecStore(Store):
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         if "://" not in url:
-            raise ValueError(f"not an object-store URL: {url!r}")
+            raise InvalidNameError(f"not an object-store URL: {url!r}")
         scheme, rest = url.split("://", 1)
         scheme = scheme.lower()
         root = rest.strip("/")
-        if not root or "//" in root:
-            raise ValueError(f"object-store URL {url!r} needs a bucket: {scheme}://<bucket>[/<prefix>]")
+        if not root or not valid_key(root):
+            raise InvalidNameError(f"object-store URL {url!r} needs a bucket and an optional prefix without empty, "
+                                   f"'.' or '..' parts: {scheme}://<bucket>[/<prefix>], e.g. {scheme}://my-bucket/ckpts")
         protocol = OBJECT_STORE_SCHEMES.get(scheme, (scheme, "", ""))[0]
         self.url = f"{scheme}://{root}"
         self.protocol = protocol
@@ -90,10 +86,7 @@ class FsspecStore(Store):
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _path(self, key: str) -> str:
-        if (not key or key.startswith("/") or key.endswith("/") or "\\" in key or "\0" in key
-                or any(p in ("", ".", "..") for p in key.split("/"))):
-            raise ValueError(f"invalid store key {key!r}")
-        return f"{self.prefix}/{key}"
+        return f"{self.prefix}/{check_key(key)}"
 
     def _error(self, exc: BaseException, op: str, key: str) -> OSError:
         code = _s3_code(exc)
@@ -113,7 +106,7 @@ class FsspecStore(Store):
             if _s3_code(exc) == "NoSuchBucket":
                 raise self._error(exc, op, key) from exc
             raise
-        except ValueError:
+        except InvalidNameError:
             raise
         except Exception as exc:  # botocore/aiohttp connection errors are not OSErrors: give them our name
             raise self._error(exc, op, key) from exc
@@ -142,6 +135,12 @@ class FsspecStore(Store):
             return self._call("get", key, self._fs.cat_file, self._path(key), **extra)
         except FileNotFoundError:
             raise KeyNotFound(key) from None
+
+    def get_limited(self, key: str, limit: int) -> bytes:
+        data = self.get_range(key, 0, limit + 1)  # one ranged GET: the server sends at most limit + 1 bytes
+        if len(data) > limit:
+            raise too_large(key, self.size(key), limit, self.url)
+        return data
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         path = self._path(key)
@@ -207,11 +206,19 @@ class FsspecStore(Store):
             pass
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        return iter([k for k in self._keys(prefix) if valid_key(k)])
+
+    def strays(self, prefix: str = "") -> list[Stray]:
+        return [Stray(k, "an object whose name is not a valid key (empty, '.' or '..' parts)")
+                for k in self._keys(prefix) if not valid_key(k)]
+
+    def _keys(self, prefix: str) -> list[str]:
+        """Every object name under ``prefix``, relative to the root, valid as a key or not."""
         base = self.prefix + ("/" + prefix.strip("/") if prefix.strip("/") else "")
         try:
             found = self._call("list", prefix, self._fs.find, base)
         except FileNotFoundError:
-            return iter(())
+            return []
         strip = self._fs._strip_protocol  # the backend's own spelling of paths (memory: "/bucket/…")
         root = strip(self.prefix).rstrip("/") + "/"
         keys = []
@@ -225,7 +232,7 @@ class FsspecStore(Store):
             if not key or key.endswith("/") or not key.startswith(prefix) or _TMP_MARK in key.rsplit("/", 1)[-1]:
                 continue  # directory placeholders and temporaries copied from a filesystem are not keys
             keys.append(key)
-        return iter(keys)
+        return keys
 
     def exists(self, key: str) -> bool:
         try:

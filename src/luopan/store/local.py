@@ -3,6 +3,12 @@
 Every write: temp file in the destination directory → write → fsync(file) → rename (``put``) or no-replace hard
 link (``put_if_absent``) → fsync(directory). Temp names carry host and pid so that ``cleanup_temporaries`` removes
 only leftovers of dead writers, never a live writer's file.
+
+Symbolic links inside the repository are followed, to directories and files alike, wherever they point (a run moved
+to another disk and linked back stays part of the repository): `_walk` is the one walk every listing uses, so
+listing, gc marking, verify, du, replication and prune all see the same keys (docs/format.md §2). Only regular files
+are objects: a FIFO, socket or device is never opened for reading, and a dangling link, a directory that cannot be
+read or a symlink loop is reported by ``strays`` instead of listed.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ import fcntl
 import os
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Iterator
 
 from .._crash import crashpoint
-from ..errors import StorageFullError
-from .base import Data, KeyNotFound, Store, as_parts
+from ..errors import LuopanError, StorageError, StorageFullError
+from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
 
 TMP_MARK = ".tmp-"
 STALE_TMP_SECONDS = 24 * 3600
@@ -25,6 +32,13 @@ FRESH_TMP_SECONDS = 60.0  # an unlocked temp file younger than this may be a wri
 _IOV_MAX = 1024
 _HOST = socket.gethostname().replace("-", "_")
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_ABSENT = (FileNotFoundError, NotADirectoryError)  # a missing file, or a path through a file: no such key
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def _crash_kind(key: str) -> str:
@@ -57,9 +71,58 @@ class LocalStore(Store):
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _path(self, key: str) -> str:
-        if not key or key.startswith("/") or "\\" in key or "\0" in key or ".." in key.split("/"):
-            raise ValueError(f"invalid store key {key!r}")
-        return os.path.join(self.root, *key.split("/"))
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _failed(self, exc: OSError, op: str, key: str) -> OSError:
+        """The typed error for an OSError of ``op`` ("read", "write", "delete", "list") on ``key``."""
+        if isinstance(exc, LuopanError):
+            return exc
+        if exc.errno in _FULL_ERRNOS:
+            return self._full(exc, self._path(key) if valid_key(key) else self.root)
+        if exc.errno == errno.EROFS:
+            return StorageError(exc.errno, f"{self.root} is on a read-only filesystem: cannot {op} {key}. Commands "
+                                "that only read (ls, show, verify, export, load) work; save, prune, gc, pin and "
+                                "unlock need it mounted read-write")
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            need = "read" if op in ("read", "list") else "write to"
+            return StorageError(exc.errno, f"permission denied: cannot {op} {key} in {self.root}: this user may not "
+                                f"{need} it; check the owner and mode of the repository's files and directories")
+        return StorageError(exc.errno or errno.EIO, f"cannot {op} {key} in {self.root}: "
+                            f"{exc.strerror or exc}")
+
+    def _open_regular(self, key: str) -> int:
+        """An fd open for reading on ``key``, which must be a regular file (followed through symlinks). Anything
+        else is KeyNotFound, checked before opening and again on the fd, so a FIFO is never opened to block."""
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyNotFound(f"{key} ({_kind(st.st_mode)})")
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except _ABSENT:
+            raise KeyNotFound(key) from None
+        except OSError as exc:
+            if isinstance(exc, KeyNotFound):
+                raise
+            raise self._failed(exc, "read", key) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between stat and open
+                raise KeyNotFound(f"{key} (not a regular file)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _stat_regular(self, key: str) -> os.stat_result:
+        try:
+            st = os.stat(self._path(key))
+        except _ABSENT:
+            raise KeyNotFound(key) from None
+        except OSError as exc:
+            raise self._failed(exc, "read", key) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyNotFound(f"{key} ({_kind(st.st_mode)})")
+        return st
 
     def _ensure_dir(self, d: str) -> None:
         if d in self._dirs:
@@ -119,27 +182,49 @@ class LocalStore(Store):
 
     # -- primitives ---------------------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
+        fd = self._open_regular(key)
         try:
-            with open(self._path(key), "rb") as f:
+            with os.fdopen(fd, "rb", closefd=False) as f:
                 return f.read()
-        except FileNotFoundError:
-            raise KeyNotFound(key) from None
+        except OSError as exc:
+            raise self._failed(exc, "read", key) from None
+        finally:
+            os.close(fd)
+
+    def get_limited(self, key: str, limit: int) -> bytes:
+        fd = self._open_regular(key)
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise too_large(key, size, limit, self.root)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                parts = [f.read(size + 1)]  # read(n) allocates n up front: the real size, never the limit
+                total = len(parts[0])
+                while size < total <= limit:  # it grew after the fstat: read on, in bounded pieces
+                    more = f.read(min(64 << 20, limit + 1 - total))
+                    if not more:
+                        break
+                    parts.append(more)
+                    total += len(more)
+            if total > limit:
+                raise too_large(key, total, limit, self.root)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        except OSError as exc:
+            raise self._failed(exc, "read", key) from None
+        finally:
+            os.close(fd)
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            raise KeyNotFound(key) from None
+        fd = self._open_regular(key)
         try:
             return os.pread(fd, length, offset)
+        except OSError as exc:
+            raise self._failed(exc, "read", key) from None
         finally:
             os.close(fd)
 
     def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            raise KeyNotFound(key) from None
+        fd = self._open_regular(key)
         try:
             got = 0
             while got < len(out):
@@ -148,6 +233,8 @@ class LocalStore(Store):
                     break
                 got += n
             return got
+        except OSError as exc:
+            raise self._failed(exc, "read", key) from None
         finally:
             os.close(fd)
 
@@ -167,14 +254,14 @@ class LocalStore(Store):
             _fsync_dir(os.path.dirname(path))
             crashpoint(f"{kind}.dirsynced")
         except OSError as exc:
-            full = self._full(exc, path)
-            if full is exc:
+            failed = self._failed(exc, "write", key)
+            if failed is exc:
                 raise
-            raise full from exc
+            raise failed from exc
 
     def put_if_absent(self, key: str, data: Data) -> bool:
         path = self._path(key)
-        if os.path.exists(path):
+        if os.path.lexists(path):
             return False
         kind = _crash_kind(key)
         try:
@@ -190,7 +277,7 @@ class LocalStore(Store):
                     # except for manifests, where the last rename wins.
                     if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
                         raise
-                    if os.path.exists(path):
+                    if os.path.lexists(path):
                         return False
                     os.rename(tmp, path)
                 crashpoint(f"{kind}.renamed")
@@ -201,59 +288,114 @@ class LocalStore(Store):
             crashpoint(f"{kind}.dirsynced")
             return True
         except OSError as exc:
-            full = self._full(exc, path)
-            if full is exc:
+            failed = self._failed(exc, "write", key)
+            if failed is exc:
                 raise
-            raise full from exc
+            raise failed from exc
 
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except _ABSENT:
             return
-        _fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            raise self._failed(exc, "delete", key) from None
+        try:
+            _fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            raise self._failed(exc, "delete", key) from None
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
-        if not os.path.isdir(base):
+        for key, stray in self._walk(prefix):
+            if stray is None:
+                yield key
+
+    def strays(self, prefix: str = "") -> list[Stray]:
+        return [stray for _key, stray in self._walk(prefix) if stray is not None]
+
+    def _walk(self, prefix: str, temporaries: bool = False) -> Iterator[tuple[str, Stray | None]]:
+        """(key, None) for every regular file under ``prefix``, following symlinks; (relative path, Stray) for every
+        entry that cannot be a key. With ``temporaries``, temp files are yielded as keys too (for cleanup)."""
+        rel = prefix.strip("/")
+        if rel and not valid_key(rel):
             return
-        stack = [base]
+        base = self._path(rel) if rel else self.root
+        try:
+            st = os.stat(base)
+        except _ABSENT:
+            return
+        except OSError as exc:
+            yield rel or ".", Stray(rel or ".", f"cannot be read ({exc.strerror or exc})", unreadable=True)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            return
+        stack = [(base, rel, frozenset({(st.st_dev, st.st_ino)}))]
         while stack:
-            d = stack.pop()
+            d, drel, ancestors = stack.pop()
             try:
-                it = list(os.scandir(d))
-            except FileNotFoundError:
+                entries = list(os.scandir(d))
+            except _ABSENT:
+                continue  # removed while we walked
+            except OSError as exc:
+                yield drel, Stray(drel + "/", f"a directory that cannot be read ({exc.strerror or exc})",
+                                  unreadable=True)
                 continue
-            for e in it:
+            for e in entries:
+                krel = f"{drel}/{e.name}" if drel else e.name
                 if TMP_MARK in e.name:
+                    if temporaries:
+                        yield e.path, None
                     continue
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
+                try:
+                    if e.is_symlink():
+                        est = os.stat(e.path)  # follows the link
+                    elif e.is_dir(follow_symlinks=False):
+                        est = e.stat(follow_symlinks=False)
+                    elif e.is_file(follow_symlinks=False):
+                        est = None  # the common case: a regular file, no stat needed
+                    else:
+                        est = e.stat(follow_symlinks=False)
+                except _ABSENT:
+                    if e.is_symlink():
+                        yield krel, Stray(krel, f"a dangling symbolic link (to {_readlink(e.path)})", unreadable=True)
+                    continue
+                except OSError as exc:
+                    why = ("a symbolic link loop" if exc.errno == errno.ELOOP
+                           else f"cannot be read ({exc.strerror or exc})")
+                    yield krel, Stray(krel, why, unreadable=exc.errno != errno.ELOOP)
+                    continue
+                if est is None or stat.S_ISREG(est.st_mode):
+                    if valid_key(krel):
+                        yield krel, None
+                    else:
+                        yield krel, Stray(krel, "a file whose name is not a valid key", unreadable=False)
+                elif stat.S_ISDIR(est.st_mode):
+                    ident = (est.st_dev, est.st_ino)
+                    if ident in ancestors:
+                        yield krel, Stray(krel + "/", "a symbolic link loop (a directory containing itself)",
+                                          unreadable=False)
+                    else:
+                        stack.append((e.path, krel, ancestors | {ident}))
                 else:
-                    yield os.path.relpath(e.path, self.root).replace(os.sep, "/")
+                    yield krel, Stray(krel, _kind(est.st_mode), unreadable=False)
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        try:
+            self._stat_regular(key)
+        except KeyNotFound:
+            return False
+        return True
 
     def size(self, key: str) -> int:
-        try:
-            return os.stat(self._path(key)).st_size
-        except FileNotFoundError:
-            raise KeyNotFound(key) from None
+        return self._stat_regular(key).st_size
 
     def signature(self, key: str) -> tuple[int, ...] | None:
-        try:
-            st = os.stat(self._path(key))
-        except FileNotFoundError:
-            raise KeyNotFound(key) from None
+        st = self._stat_regular(key)
         return (st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns)
 
     def modified(self, key: str) -> float | None:
-        try:
-            return os.stat(self._path(key)).st_mtime
-        except FileNotFoundError:
-            raise KeyNotFound(key) from None
+        return self._stat_regular(key).st_mtime
 
     def free_bytes(self) -> int | None:
         path = self.root
@@ -271,14 +413,20 @@ class LocalStore(Store):
         rename), or, where the filesystem has no locks, ones of a dead pid on this host or older than a day.
         Never fails: a read-only repository or an unremovable file is left as it is."""
         removed = 0
-        for dirpath, _dirs, files in os.walk(self.root):
-            for name in files:
-                if TMP_MARK in name and _remove_if_abandoned(os.path.join(dirpath, name)):
-                    removed += 1
+        for path, stray in self._walk("", temporaries=True):
+            if stray is None and TMP_MARK in os.path.basename(path) and _remove_if_abandoned(path):
+                removed += 1
         return removed
 
     def describe(self) -> str:
         return self.root
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def _unlink_quietly(path: str) -> None:

@@ -22,9 +22,9 @@ from ..checkpoint.read import check_pack_trailer, chunk_refs, delta_jobs, read_c
 from ..checkpoint.repo import CheckpointInfo, Repo, SaveHandle
 from ..checkpoint.repo import open as open_repo
 from ..checkpoint.runrecord import config_json
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StorageError
 from ..format.manifest import Manifest, stored_rows
-from ..format.names import pack_key
+from ..format.names import check_run, pack_key
 from ..store.base import KeyNotFound
 from ..tree import flatten
 from .state import TrainingState
@@ -47,6 +47,7 @@ class CheckpointManager:
                  retention: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         from ..policies import EveryNSteps
 
+        check_run(run)  # before the repository is opened or created
         self._owns_repo = not isinstance(repo, Repo)
         self.repo = repo if isinstance(repo, Repo) else open_repo(repo)
         self.run = run
@@ -65,13 +66,38 @@ class CheckpointManager:
         self._pending: tuple[SaveHandle, int, float] | None = None
         self._recorded = False
         self._sampler = random.Random(0)  # never the global RNG: checkpointing must not change training's streams
+        self.restore_skipped: list[tuple[int, str]] = []  # (step, why) of damaged checkpoints restore() passed over
+        self._metric_names: set[str] = set()
+        self._warned_metrics = False
 
     # -- restore ------------------------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, strict: bool = True) -> int:
         """Restore the latest checkpoint of the run (or ``step``) into the training state; returns its step, or 0
-        when the run has no checkpoint yet. Everything is checked before anything is changed."""
-        if step is None and not self.repo.steps(self.run):
+        when the run has no checkpoint yet. Everything is checked before anything is changed.
+
+        Without ``step``, a newest checkpoint that does not verify (a damaged or missing manifest, pack or chunk, or
+        one that cannot be read) is skipped with a warning naming it and why, and the next newer one that verifies
+        is restored (``restore_skipped`` lists what was passed over); if none verifies, IntegrityError names them
+        all. With ``step``, that checkpoint or an error: never a silent fallback to another step.
+        """
+        if step is not None:
+            return self._restore(step, strict)
+        self.restore_skipped = []
+        steps = self.repo.steps(self.run)
+        if not steps:
             return 0
+        for candidate in reversed(steps):
+            try:
+                return self._restore(candidate, strict)
+            except (IntegrityError, StorageError) as exc:  # the state was not touched: load verifies first
+                self.restore_skipped.append((candidate, str(exc)))
+                warnings.warn(f"run {self.run!r}: skipped checkpoint step {candidate}, which does not verify "
+                              f"({exc}); trying the one before it", stacklevel=2)
+        raise IntegrityError(f"no checkpoint of run {self.run!r} verifies (tried steps "
+                             f"{', '.join(str(s) for s, _ in self.restore_skipped)}): run `luopan verify` to see "
+                             "the damage")
+
+    def _restore(self, step: int, strict: bool) -> int:
         m = self.repo.manifest(self.run, step)
         where = f"run {self.run!r} step {m.step}"
         self.state.check_layout(m.doc["metadata"], where)
@@ -100,6 +126,7 @@ class CheckpointManager:
     def save(self, step: int, metrics: dict[str, Any] | None = None, *, reason: str = "explicit"
              ) -> CheckpointInfo | SaveHandle:
         self._finish_pending()
+        self._metric_names.update(k for k in (metrics or {}) if isinstance(k, str))
         if not self._recorded:  # the run record carries the config; written once, by the run's first save
             try:
                 self.repo.run(self.run).write_record(self.config)
@@ -129,7 +156,26 @@ class CheckpointManager:
         self.saves += 1
         self.last_saved_step = step
         if self.retention is not None:  # the checkpoint just committed is the newest: prune never removes it
-            self.last_prune = self.repo.prune(self.run, self.retention)
+            self._warn_unlogged_metrics()
+            # A KeepBest metric may be logged only later (evals every N steps): until then its rule keeps nothing.
+            self.last_prune = self.repo.prune(self.run, self.retention, missing_metrics="ignore")
+
+    def _warn_unlogged_metrics(self) -> None:
+        """Warn once when a KeepBest rule names a metric close to, but not, one the loop logs (``Loss``/``loss``)."""
+        import difflib
+
+        from ..retention import KeepBest, Retention
+
+        if self._warned_metrics or not self._metric_names:
+            return
+        rules = self.retention.rules if isinstance(self.retention, Retention) else (self.retention,)
+        for r in rules:
+            if isinstance(r, KeepBest) and r.metric not in self._metric_names:
+                near = difflib.get_close_matches(r.metric, sorted(self._metric_names), n=1, cutoff=0.6)
+                if near:
+                    self._warned_metrics = True
+                    warnings.warn(f"retention keeps the best by {r.metric!r}, but the training loop logs {near[0]!r} "
+                                  "(and no metric of that name): a typo?", stacklevel=3)
 
     def close(self) -> None:
         """Wait for a background save and check it; close the repository if the manager opened it."""
