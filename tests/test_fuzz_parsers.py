@@ -139,7 +139,7 @@ def _post_pack(out: Any) -> None:
 
 
 def _post_lock(rec: Any) -> None:
-    assert rec.kind in ("shared", "exclusive", "waiting") and _int(rec.pid, 2**32)
+    assert rec.kind in ("shared", "exclusive", "waiting") and 0 < rec.pid < 2**31
     for t in (rec.created, rec.refreshed):
         assert math.isfinite(t) and 0 <= t <= 2**34
     rec.describe(), rec.stale_reason(), rec.to_json()  # noqa: B018 - they must not raise either

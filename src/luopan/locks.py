@@ -179,7 +179,7 @@ def parse_lock(key: str, data: bytes) -> LockRecord:
     strs = {k: d.get(k, "") for k in ("kind", "op", "host", "pidns", "boot", "machine")}
     pid, started, created, refreshed = d.get("pid"), d.get("started"), d.get("created"), d.get("refreshed")
     ok = (all(isinstance(v, str) for v in strs.values()) and strs["kind"] in KINDS
-          and isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 32
+          and isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 31  # a pid_t, never 0 or -1
           and (started is None or (isinstance(started, int) and not isinstance(started, bool) and started >= 0))
           and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and 0 <= t <= MAX_TIME
                   for t in (created, refreshed)))

@@ -39,7 +39,7 @@ from .errors import (
     StorageError,
 )
 from .format import BASE_FORMAT_VERSION
-from .format.canonical import SealError, seal, sealed_checksum, unseal
+from .format.canonical import SealError, seal, sealed_checksum, unseal, unseal_file
 from .format.config import CONFIG_KEY, RepoConfig
 from .format.index import parse_index
 from .format.limits import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
@@ -470,10 +470,7 @@ def _same_place(a: Store, b: Store) -> bool:
 def parse_tier_config(data: bytes, where: str) -> dict[str, Any]:
     """``tier/config.json``: ``replicate_to`` (a URL or path) and ``cold`` ({"url", "older_than"}), both optional.
     CorruptRepoError on any damage."""
-    try:
-        doc = unseal(data)
-    except SealError as exc:
-        raise CorruptRepoError(f"{where} is damaged: {exc}") from None
+    doc = unseal_file(data, where)
     cold = doc.get("cold")
     if not isinstance(doc.get("replicate_to", ""), str) or (cold is not None and not (
             isinstance(cold, dict) and isinstance(cold.get("url"), str) and isinstance(cold.get("older_than", ""),
@@ -665,7 +662,7 @@ class Tier:
         except (KeyNotFound, SealError, IntegrityError):
             return False
         pid = doc.get("replicating_pid")
-        if not isinstance(pid, int) or pid == os.getpid():
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31 or pid == os.getpid():
             return False
         try:
             os.kill(pid, 0)

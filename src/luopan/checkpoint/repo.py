@@ -35,7 +35,7 @@ from ..errors import (
     UnsupportedFormatError,
     UnsupportedValueError,
 )
-from ..format.canonical import canonical
+from ..format.canonical import canonical, json_culprit
 from ..format.config import CONFIG_KEY, Compression, RepoConfig
 from ..format.index import parse_index
 from ..format.limits import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
@@ -1035,38 +1035,11 @@ def _check_json(name: str, value: Any, kind: type) -> None:
     try:
         canonical(value)
     except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, ints > 4300 digits, lone surrogates
-        where = _json_culprit(value, name)
+        where = json_culprit(value, name)
         raise UnsupportedValueError(
             f"{name} must hold only JSON-storable values (str without lone surrogates, finite numbers, ints under "
             f"4300 digits, bool, None, lists, dicts with str keys){' — ' + where if where else ''}: {exc}"
         ) from None
-
-
-def _json_culprit(value: Any, path: str, depth: int = 0) -> str | None:
-    """Where in ``value`` the first value canonical JSON refuses lies, e.g. ``metadata['a'][2]`` (None if unknown)."""
-    if depth > 200:
-        return f"{path} (nested too deeply)"
-    if isinstance(value, dict):
-        for k, v in value.items():
-            try:
-                canonical({k: None})
-            except (TypeError, ValueError):
-                return f"the key {k!r} in {path}"
-            found = _json_culprit(v, f"{path}[{k!r}]", depth + 1)
-            if found:
-                return found
-        return None
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            found = _json_culprit(v, f"{path}[{i}]", depth + 1)
-            if found:
-                return found
-        return None
-    try:
-        canonical(value)
-    except (TypeError, ValueError):
-        return f"at {path}"
-    return None
 
 
 def _human(n: float) -> str:

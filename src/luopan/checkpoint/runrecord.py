@@ -27,8 +27,8 @@ from ..errors import (
     UnsupportedFormatError,
     UnsupportedValueError,
 )
-from ..format import BASE_FORMAT_VERSION, refuse_newer
-from ..format.canonical import SealError, canonical, parse_object, seal, verify_seal
+from ..format import BASE_FORMAT_VERSION
+from ..format.canonical import canonical, seal, unseal_file
 from ..format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
 from ..format.names import MAX_STEP, check_run, check_step, check_tag, latest_ref_key, manifest_key
 from ..format.refs import parse_ref
@@ -158,13 +158,7 @@ def build_record(run: str, config: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def _parse(data: bytes, where: str) -> dict[str, Any]:
-    try:
-        obj = parse_object(data)
-        refuse_newer(obj, where)
-        return verify_seal(obj)
-    except SealError as exc:
-        raise CorruptRepoError(f"{where} is damaged: {exc}") from None
+_parse = unseal_file
 
 
 def _require(doc: dict[str, Any], where: str, **fields: Any) -> None:

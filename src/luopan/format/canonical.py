@@ -7,6 +7,9 @@ from typing import Any
 
 import blake3
 
+from ..errors import CorruptRepoError
+from . import refuse_newer
+
 CHECKSUM_FIELD = "checksum"
 
 
@@ -74,6 +77,17 @@ def unseal(data: bytes) -> dict[str, Any]:
     return verify_seal(parse_object(data))
 
 
+def unseal_file(data: bytes, where: str) -> dict[str, Any]:
+    """A sealed file's members: UnsupportedFormatError when it declares a newer format_version (checked first: a
+    newer version may seal differently), CorruptRepoError naming ``where`` on any damage."""
+    try:
+        obj = parse_object(data)
+        refuse_newer(obj, where)
+        return verify_seal(obj)
+    except SealError as exc:
+        raise CorruptRepoError(f"{where} is damaged: {exc}") from None
+
+
 _CHECKSUM_PREFIX = b'{"' + CHECKSUM_FIELD.encode() + b'":"'
 
 
@@ -88,3 +102,30 @@ def sealed_checksum(data: bytes) -> str:
         return str(parse_object(data).get(CHECKSUM_FIELD, ""))
     except SealError:
         return ""
+
+
+def json_culprit(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where in ``value`` the first value canonical JSON refuses lies, e.g. ``metadata['a'][2]`` (None if unknown)."""
+    if depth > 200:
+        return f"{path} (nested too deeply)"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            try:
+                canonical({k: None})
+            except (TypeError, ValueError):
+                return f"the key {k!r} in {path}"
+            found = json_culprit(v, f"{path}[{k!r}]", depth + 1)
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = json_culprit(v, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+        return None
+    try:
+        canonical(value)
+    except (TypeError, ValueError):
+        return f"at {path}"
+    return None

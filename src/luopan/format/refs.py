@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CorruptRepoError
-from .canonical import SealError, seal, unseal
+from .canonical import seal, unseal_file
 from .names import MAX_STEP, is_run_name, latest_ref_key, manifest_key
 
 
@@ -16,10 +16,7 @@ def build_ref(run: str, step: int, manifest_checksum: str) -> bytes:
 def parse_ref(data: bytes, where: str) -> dict[str, Any]:
     """The ref's fields, checked: ``manifest`` is the key of ``step``'s manifest of a valid run. Raises
     CorruptRepoError on any damage."""
-    try:
-        doc = unseal(data)
-    except SealError as exc:
-        raise CorruptRepoError(f"ref {where} is damaged: {exc}") from None
+    doc = unseal_file(data, f"ref {where}")
     step, key, checksum = doc.get("step"), doc.get("manifest"), doc.get("manifest_checksum")
     parts = key.split("/") if isinstance(key, str) else []
     if (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP or len(parts) != 4

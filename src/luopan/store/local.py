@@ -4,11 +4,8 @@ Every write: temp file in the destination directory → write → fsync(file) �
 link (``put_if_absent``) → fsync(directory). Temp names carry host and pid so that ``cleanup_temporaries`` removes
 only leftovers of dead writers, never a live writer's file.
 
-Symbolic links inside the repository are followed, to directories and files alike, wherever they point (a run moved
-to another disk and linked back stays part of the repository): `_walk` is the one walk every listing uses, so
-listing, gc marking, verify, du, replication and prune all see the same keys (docs/format.md §2). Only regular files
-are objects: a FIFO, socket or device is never opened for reading, and a dangling link, a directory that cannot be
-read or a symlink loop is reported by ``strays`` instead of listed.
+Listing goes through luopan.store.walk, which follows symbolic links everywhere (docs/format.md §2). Only regular
+files are objects: a FIFO, socket or device is never opened for reading (``_open_regular``).
 """
 
 from __future__ import annotations
@@ -25,20 +22,14 @@ from collections.abc import Iterator
 from .._crash import crashpoint
 from ..errors import LuopanError, StorageError, StorageFullError
 from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
+from .walk import ABSENT as _ABSENT
+from .walk import TMP_MARK, file_kind as _kind, walk
 
-TMP_MARK = ".tmp-"
 STALE_TMP_SECONDS = 24 * 3600
 FRESH_TMP_SECONDS = 60.0  # an unlocked temp file younger than this may be a writer's between open and flock
 _IOV_MAX = 1024
 _HOST = socket.gethostname().replace("-", "_")
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_ABSENT = (FileNotFoundError, NotADirectoryError)  # a missing file, or a path through a file: no such key
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device"}
-
-
-def _kind(mode: int) -> str:
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def _crash_kind(key: str) -> str:
@@ -55,6 +46,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    if not 0 < pid < 1 << 31:  # not a pid_t (names of temp files are not trusted): no such process
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -307,78 +300,12 @@ class LocalStore(Store):
             raise self._failed(exc, "delete", key) from None
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        for key, stray in self._walk(prefix):
+        for key, stray in walk(self.root, prefix):
             if stray is None:
                 yield key
 
     def strays(self, prefix: str = "") -> list[Stray]:
-        return [stray for _key, stray in self._walk(prefix) if stray is not None]
-
-    def _walk(self, prefix: str, temporaries: bool = False) -> Iterator[tuple[str, Stray | None]]:
-        """(key, None) for every regular file under ``prefix``, following symlinks; (relative path, Stray) for every
-        entry that cannot be a key. With ``temporaries``, temp files are yielded as keys too (for cleanup)."""
-        rel = prefix.strip("/")
-        if rel and not valid_key(rel):
-            return
-        base = self._path(rel) if rel else self.root
-        try:
-            st = os.stat(base)
-        except _ABSENT:
-            return
-        except OSError as exc:
-            yield rel or ".", Stray(rel or ".", f"cannot be read ({exc.strerror or exc})", unreadable=True)
-            return
-        if not stat.S_ISDIR(st.st_mode):
-            return
-        stack = [(base, rel, frozenset({(st.st_dev, st.st_ino)}))]
-        while stack:
-            d, drel, ancestors = stack.pop()
-            try:
-                entries = list(os.scandir(d))
-            except _ABSENT:
-                continue  # removed while we walked
-            except OSError as exc:
-                yield drel, Stray(drel + "/", f"a directory that cannot be read ({exc.strerror or exc})",
-                                  unreadable=True)
-                continue
-            for e in entries:
-                krel = f"{drel}/{e.name}" if drel else e.name
-                if TMP_MARK in e.name:
-                    if temporaries:
-                        yield e.path, None
-                    continue
-                try:
-                    if e.is_symlink():
-                        est = os.stat(e.path)  # follows the link
-                    elif e.is_dir(follow_symlinks=False):
-                        est = e.stat(follow_symlinks=False)
-                    elif e.is_file(follow_symlinks=False):
-                        est = None  # the common case: a regular file, no stat needed
-                    else:
-                        est = e.stat(follow_symlinks=False)
-                except _ABSENT:
-                    if e.is_symlink():
-                        yield krel, Stray(krel, f"a dangling symbolic link (to {_readlink(e.path)})", unreadable=True)
-                    continue
-                except OSError as exc:
-                    why = ("a symbolic link loop" if exc.errno == errno.ELOOP
-                           else f"cannot be read ({exc.strerror or exc})")
-                    yield krel, Stray(krel, why, unreadable=exc.errno != errno.ELOOP)
-                    continue
-                if est is None or stat.S_ISREG(est.st_mode):
-                    if valid_key(krel):
-                        yield krel, None
-                    else:
-                        yield krel, Stray(krel, "a file whose name is not a valid key", unreadable=False)
-                elif stat.S_ISDIR(est.st_mode):
-                    ident = (est.st_dev, est.st_ino)
-                    if ident in ancestors:
-                        yield krel, Stray(krel + "/", "a symbolic link loop (a directory containing itself)",
-                                          unreadable=False)
-                    else:
-                        stack.append((e.path, krel, ancestors | {ident}))
-                else:
-                    yield krel, Stray(krel, _kind(est.st_mode), unreadable=False)
+        return [stray for _key, stray in walk(self.root, prefix) if stray is not None]
 
     def exists(self, key: str) -> bool:
         try:
@@ -413,20 +340,13 @@ class LocalStore(Store):
         rename), or, where the filesystem has no locks, ones of a dead pid on this host or older than a day.
         Never fails: a read-only repository or an unremovable file is left as it is."""
         removed = 0
-        for path, stray in self._walk("", temporaries=True):
+        for path, stray in walk(self.root, "", temporaries=True):
             if stray is None and TMP_MARK in os.path.basename(path) and _remove_if_abandoned(path):
                 removed += 1
         return removed
 
     def describe(self) -> str:
         return self.root
-
-
-def _readlink(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return "?"
 
 
 def _unlink_quietly(path: str) -> None:
