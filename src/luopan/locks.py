@@ -23,6 +23,7 @@ another host, so it blocks until someone breaks it (``luopan unlock``, ``break_l
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import random
@@ -232,12 +233,16 @@ _orphans: dict[tuple[int, str], tuple[Store, str]] = {}
 _orphans_lock = threading.Lock()
 _orphan_wakeup = threading.Event()
 _orphan_thread: threading.Thread | None = None
-ORPHAN_RETRY_MAX = 60.0  # seconds between retries, at most
+_atexit_registered = False
+ORPHAN_RETRY_MAX = 15.0  # seconds between retries, at most: a record should not outlive the outage by much
 
 
 def _retry_later(store: Store, key: str) -> None:
-    global _orphan_thread
+    global _orphan_thread, _atexit_registered
     with _orphans_lock:
+        if not _atexit_registered:
+            atexit.register(_last_attempt)
+            _atexit_registered = True
         _orphans[(id(store), key)] = (store, key)
         if _orphan_thread is None or not _orphan_thread.is_alive():
             _orphan_thread = threading.Thread(target=_retry_loop, name="luopan-lock-release", daemon=True)
@@ -258,6 +263,13 @@ def retry_releases() -> int:
             _orphans.pop(ident, None)
     with _orphans_lock:
         return len(_orphans)
+
+
+def _last_attempt() -> None:
+    """At interpreter exit: one more try for records still not deleted (another host would otherwise wait for them
+    to turn stale, or for `luopan unlock`)."""
+    if _orphans:
+        retry_releases()
 
 
 def _retry_loop() -> None:
