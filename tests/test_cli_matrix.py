@@ -67,6 +67,9 @@ EXPECTED: dict[str, dict[str, int]] = {
     "unreadable-files": {**GOOD, "ls-run": 3, "show-step": 1, "verify": 3, "verify-run": 3, "export": 1,
                          "diff": 1, "prune-dry": 1, "prune": 1, "gc-dry": 3, "gc": 3},
     "dangling-run-link": {**GOOD, "verify": 3, "gc-dry": 3, "gc": 3},
+    "dangling-runs-link": {**GOOD, "ls-run": 4, "show": 4, "show-step": 4, "verify": 3, "verify-run": 3,
+                           "export": 4, "diff": 4, "pin": 4, "prune-dry": 4, "prune": 4, "gc-dry": 3,
+                           "gc": 3},
     "runs-symlink": GOOD,
     "packs-symlink": GOOD,
     "locks-symlink": GOOD,
@@ -159,6 +162,9 @@ def _prepare(condition: str, template, tmp) -> tuple[str, list[str], object]:
             (tmp / "elsewhere-locks" / "sub" / "x.json").write_text("[]")
     elif condition == "dangling-run-link":  # a run moved to a disk that is not mounted now
         os.symlink(tmp / "unmounted" / "b", repo / "runs" / "b")
+    elif condition == "dangling-runs-link":  # all of runs/ moved to a disk that is not mounted now
+        shutil.move(str(repo / "runs"), str(tmp / "unmounted-runs"))
+        os.symlink(tmp / "unmounted", repo / "runs")
     elif condition == "strays":
         ckpt = repo / "runs" / RUN / "ckpt"
         shutil.copytree(repo / "runs" / RUN, repo / "runs" / "a copy")
@@ -171,6 +177,7 @@ def _prepare(condition: str, template, tmp) -> tuple[str, list[str], object]:
         (repo / "locks" / "notes").mkdir(parents=True, exist_ok=True)
         (repo / "locks" / "notes" / "x.json").write_text("{}")
         os.mkfifo(repo / "packs" / "fifo.pack")
+        os.mkfifo(repo / "packs" / "x.pack.tmp-otherhost-1-abcd")  # named like a temporary file: never opened
         os.mkfifo(repo / "index" / ("0" * 64 + ".json"))
     return str(repo), prefix, cleanup
 

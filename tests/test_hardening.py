@@ -546,3 +546,140 @@ def test_pin_tags_are_validated(root):
                 repo.run(RUN).pin(1, tag)
         repo.run(RUN).pin(1, "release 1 ✓")
         assert repo.run(RUN).pins()[1]["tag"] == "release 1 ✓"
+
+
+# -- found in review ------------------------------------------------------------------------------------------------
+def test_gc_refuses_when_runs_itself_is_a_dangling_link(root, tmp_path):
+    """`runs` moved to another disk and linked back, the disk not mounted: gc must not see "no checkpoints"."""
+    two_checkpoints(root)
+    shutil.move(root / "runs", tmp_path / "disk")
+    os.symlink(tmp_path / "disk", root / "runs")
+    os.rename(tmp_path / "disk", tmp_path / "unmounted")
+    with luopan.open(root) as repo:
+        packs = sorted((root / "packs").rglob("*.pack"))
+        with pytest.raises(luopan.GcError, match="runs: a dangling symbolic link"):
+            repo.gc(grace=0)
+        assert sorted((root / "packs").rglob("*.pack")) == packs
+        assert [s.key for s in repo.strays() if s.unreadable] == ["runs"]
+
+
+def test_run_names_with_the_temp_mark_are_refused_and_old_ones_kept_by_gc(root):
+    """`.tmp-` marks temporary files, which every walk skips: a run named so would be invisible to gc."""
+    with luopan.open(root, chunk_size=4096) as repo:
+        with pytest.raises(luopan.InvalidNameError, match=".tmp-"):
+            repo.save("exp.tmp-1", 1, state(1))
+    two_checkpoints(root, run="exp")  # a run saved by an older luopan under such a name:
+    os.rename(root / "runs" / "exp", root / "runs" / "exp.tmp-1")
+    with luopan.open(root) as repo:
+        assert repo.runs() == []
+        assert any(s.key == "runs/exp.tmp-1/" for s in repo.strays())
+        report = repo.gc(grace=0)
+        assert report.stray_manifests == 2 and report.deleted_packs == 0  # what it names is kept
+    os.rename(root / "runs" / "exp.tmp-1", root / "runs" / "exp")
+    with luopan.open(root) as repo:
+        assert repo.verify().ok
+        np.testing.assert_array_equal(repo.load("exp")["w"], state(2)["w"])
+
+
+def test_stray_copies_of_a_run_keep_their_data_through_gc(root):
+    """A run directory renamed to an invalid name is not a checkpoint, but gc keeps what its manifests name."""
+    two_checkpoints(root)
+    os.rename(root / "runs" / RUN, root / "runs" / f"{RUN} (old)")
+    with luopan.open(root) as repo:
+        assert repo.runs() == []
+        assert repo.gc(grace=0, repack_below=1.0).deleted_packs == 0
+    os.rename(root / "runs" / f"{RUN} (old)", root / "runs" / RUN)
+    with luopan.open(root) as repo:
+        assert repo.verify().ok
+
+
+def test_an_unreadable_lock_record_is_never_broken_as_stale(root):
+    """A lock record that cannot be read right now (permissions, a 503) may be a live holder's: `unlock` (stale only)
+    keeps it, and a locker waits for it instead of failing at once."""
+    from luopan.locks import acquire, break_locks
+    from luopan.store import LocalStore
+
+    class Unreadable(LocalStore):
+        def get_limited(self, key, limit):
+            if key.startswith("locks/"):
+                raise luopan.StorageError(13, f"permission denied: cannot read {key}")
+            return super().get_limited(key, limit)
+
+    luopan.open(root).close()
+    held = acquire(LocalStore(root), "exclusive", "gc")
+    store = Unreadable(root)
+    assert [r.stale_reason() for r in list_locks(store)] == [None]
+    assert break_locks(store, stale_only=True) == []
+    with pytest.raises(luopan.LockedError, match="unreadable"):
+        acquire(store, "shared", "save", timeout=0.5)
+    held.release()
+
+
+def test_link_trees_do_not_make_walks_explode(root, tmp_path):
+    """Each level holding two links to the next: 2^30 paths if every alias were walked. Each directory is walked
+    once; the second name of a directory is reported (unreadable: which name is meant is ambiguous)."""
+    import time
+
+    two_checkpoints(root)
+    level = tmp_path / "l0"
+    level.mkdir()
+    top = level
+    for i in range(1, 31):
+        nxt = tmp_path / f"l{i}"
+        nxt.mkdir()
+        os.symlink(nxt, level / "a")
+        os.symlink(nxt, level / "b")
+        level = nxt
+    os.symlink(top, root / "runs" / RUN / "tree")
+    os.makedirs(root / "locks", exist_ok=True)
+    os.symlink("/", root / "locks" / "everything")  # never walked: lock records are directly in locks/
+    t = time.monotonic()
+    with luopan.open(root) as repo:
+        assert repo.steps(RUN) == [1, 2]
+        assert any("two names for one directory" in s.reason for s in repo.strays())
+        assert list_locks(repo.store) == []
+        with pytest.raises(luopan.GcError, match="two names for one directory"):
+            repo.gc(grace=0)
+    assert time.monotonic() - t < 30
+
+
+def test_a_fifo_named_like_a_temporary_file_does_not_hang_open(root):
+    two_checkpoints(root)
+    os.mkfifo(root / "packs" / "x.pack.tmp-otherhost-1-abcd")
+    os.mkfifo(root / "luopan.json.tmp-vm-99999999999999999999-abcd")
+    with luopan.open(root) as repo:  # cleanup of temporaries skips what is not a regular file
+        assert repo.steps(RUN) == [1, 2]
+    assert (root / "packs" / "x.pack.tmp-otherhost-1-abcd").exists()
+
+
+@pytest.mark.parametrize("value,match", [
+    ({"k" * 70_000: np.ones(2)}, "key path of 70000 characters"),
+    ({"e": np.empty((0, 2**50), np.float32)}, "limited to 2"),
+])
+def test_saves_the_reader_would_refuse_are_refused(root, value, match):
+    with luopan.open(root) as repo:
+        with pytest.raises(luopan.UnsupportedValueError, match=match):
+            repo.save(RUN, 1, value)
+        repo.save(RUN, 1, {"k" * 60_000: np.ones(2), "e": np.empty((0, 2**40), np.float32)})
+        assert repo.load(RUN)["e"].shape == (0, 2**40)
+
+
+def test_after_a_fallback_the_loop_saves_the_damaged_step_again(root):
+    torch = pytest.importorskip("torch")
+    from luopan.policies import EveryNSteps
+    from luopan.torch import CheckpointManager, TrainingState
+
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(root, RUN, TrainingState(model=model), policy=EveryNSteps(10)) as mgr:
+        for step in (10, 20):
+            mgr.save(step)
+    m = manifest(root, 20)
+    m.write_bytes(m.read_bytes()[:-10])  # damaged
+    mgr = CheckpointManager(root, RUN, TrainingState(model=model), policy=EveryNSteps(10))
+    with pytest.warns(UserWarning, match="skipped checkpoint step 20"):
+        assert mgr.restore() == 10
+    for step in range(11, 21):
+        mgr.maybe_save(step)  # step 20 replaces the damaged checkpoint instead of raising CheckpointExistsError
+    mgr.close()
+    with luopan.open(root) as repo:
+        assert repo.steps(RUN) == [10, 20] and repo.verify().ok

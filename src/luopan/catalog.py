@@ -26,6 +26,9 @@ class Catalog:
 
     steps: dict[str, list[int]] = field(default_factory=dict)
     strays: list[Stray] = field(default_factory=list)
+    # Manifest-named files under stray run directories (``runs/a copy/ckpt/00000100.json``): not checkpoints, but
+    # whoever copied or renamed that directory may want it back, so gc keeps what they reference (strays only).
+    shadows: list[str] = field(default_factory=list)
 
     @property
     def runs(self) -> list[str]:
@@ -58,6 +61,8 @@ def scan(store: Store, run: str | None = None, *, strays: bool = False) -> Catal
             if strays and name not in bad_runs:
                 bad_runs[name] = Stray(f"{RUNS}{name}/", "not a valid run name (1-128 ASCII letters, digits, '.', "
                                                          "'_', '-', starting with a letter or digit)")
+            if strays and len(parts) == 4 and parts[2] == "ckpt" and step_from_manifest_key(key) is not None:
+                cat.shadows.append(key)
             continue
         if parts[2] == "ckpt":
             step = step_from_manifest_key(key) if len(parts) == 4 else None

@@ -43,12 +43,13 @@ from .errors import (
     GcError,
     IntegrityError,
     StorageError,
+    UnsupportedFormatError,
 )
 from .format import BASE_FORMAT_VERSION
 from .format.canonical import SealError, canonical, seal, sealed_checksum, unseal
 from .format.index import build_index, parse_index
-from .format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_SMALL_BYTES
-from .format.manifest import Manifest, seal_manifest, stored_rows
+from .format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, MAX_SMALL_BYTES
+from .format.manifest import Manifest, parse_manifest, seal_manifest, stored_rows
 from .format.names import index_key, is_hex64, is_index_key, is_pack_key, latest_ref_key, manifest_key, pack_key
 from .format.refs import build_ref, parse_ref
 from .format.pack import HEADER_SIZE, PackBuilder
@@ -70,6 +71,7 @@ class GcReport:
     dry_run: bool
     grace: float
     manifests: int = 0
+    stray_manifests: int = 0  # readable manifests under stray run directories: what they name is kept
     packs: int = 0
     pack_bytes: int = 0
     live_packs: int = 0
@@ -104,9 +106,15 @@ def _rows_by_pack(m: Manifest) -> dict[str, dict[str, tuple[int, int, int, str]]
 
 
 def _all_manifests(repo: Repo) -> list[tuple[str, Manifest]]:
-    """Every committed manifest, parsed, from the catalog's walk. GcError, before anything changes, when the walk
-    could not see the whole repository (a dangling link or unreadable directory under runs/ may hold checkpoints)
-    or a manifest cannot be read: gc would otherwise delete data those checkpoints need."""
+    return _mark_sources(repo)[0]
+
+
+def _mark_sources(repo: Repo) -> tuple[list[tuple[str, Manifest]], list[Manifest]]:
+    """Every committed manifest, parsed, from the catalog's walk; and the readable manifests found under stray run
+    directories (``runs/a copy/``: not checkpoints, but someone may rename them back, so what they reference is kept
+    and never repacked). GcError, before anything changes, when the walk could not see the whole repository (a
+    dangling link or unreadable directory under runs/ may hold checkpoints) or a manifest cannot be read: gc would
+    otherwise delete data those checkpoints need."""
     cat = catalog.scan(repo.store, strays=True)
     if cat.incomplete:
         shown = "; ".join(str(s) for s in cat.incomplete[:5])
@@ -124,7 +132,13 @@ def _all_manifests(repo: Repo) -> list[tuple[str, Manifest]]:
                           ) from None
         except CheckpointNotFoundError:
             continue  # pruned since the listing
-    return out
+    shadows = []
+    for key in cat.shadows:
+        try:
+            shadows.append(parse_manifest(repo.store.get_limited(key, MAX_MANIFEST_BYTES), key))
+        except (IntegrityError, StorageError, UnsupportedFormatError, KeyNotFound):
+            continue  # not a readable manifest: it references nothing
+    return out, shadows
 
 
 def parse_condemned(data: bytes, where: str = CONDEMNED_KEY) -> dict[str, float]:
@@ -212,14 +226,19 @@ def _collect(repo: Repo, grace: float, repack_below: float, dry_run: bool, now: 
         store.cleanup_temporaries()
     # -- 1. mark --------------------------------------------------------------------------------------------------
     say("mark: reading manifests")
-    manifests = _all_manifests(repo)
+    manifests, shadows = _mark_sources(repo)
     report.manifests = len(manifests)
+    report.stray_manifests = len(shadows)
     live: dict[str, dict[str, tuple[int, int, int, str]]] = {}  # pack -> hash -> (offset, length, size, codec)
     users: dict[str, list[int]] = {}  # pack -> indices into manifests
     for i, (_key, m) in enumerate(manifests):
         for pack, rows in _rows_by_pack(m).items():
             live.setdefault(pack, {}).update(rows)
             users.setdefault(pack, []).append(i)
+    kept: dict[str, dict[str, tuple[int, int, int, str]]] = {}  # packs stray manifests name: live, never repacked
+    for m in shadows:
+        for pack, rows in _rows_by_pack(m).items():
+            kept.setdefault(pack, {}).update(rows)
     packs = _list_packs(store)
     sizes: dict[str, int] = {}
     for pack, key in packs.items():
@@ -236,7 +255,7 @@ def _collect(repo: Repo, grace: float, repack_below: float, dry_run: bool, now: 
     crashpoint("gc.marked")
 
     # -- 2. repack ------------------------------------------------------------------------------------------------
-    sparse = sorted(p for p in packs if p in live and repack_below > 0
+    sparse = sorted(p for p in packs if p in live and p not in kept and repack_below > 0
                     and sum(v[1] for v in live[p].values()) < repack_below * (sizes[p] - HEADER_SIZE))
     moved: dict[tuple[str, str], tuple[str, int, int, int, str]] = {}  # (old pack, hash) -> new location
     new_packs: dict[str, list[dict[str, Any]]] = {}
@@ -280,7 +299,7 @@ def _collect(repo: Repo, grace: float, repack_below: float, dry_run: bool, now: 
     previous = _read_condemned(store)
     condemned: dict[str, float] = {}
     for p in packs:
-        if p in live:
+        if p in live or p in kept:
             continue
         if p in previous:
             condemned[p] = previous[p]

@@ -200,7 +200,7 @@ def list_locks(store: Store) -> list[LockRecord]:
     else there is not a lock). A damaged record counts as an exclusive lock of unknown holder: it blocks, is
     reported as stale (``damage`` says why), and ``luopan unlock`` removes it."""
     out = []
-    for key in store.list(LOCK_PREFIX):
+    for key in store.list_flat(LOCK_PREFIX):  # never below locks/: a link or a tree there is not ours to walk
         if not LOCK_NAME.fullmatch(key):
             continue
         try:
@@ -208,12 +208,19 @@ def list_locks(store: Store) -> list[LockRecord]:
         except KeyNotFound:
             continue
         except UnsupportedFormatError:  # a newer luopan's lock: obey it, never break it as stale
-            rec = LockRecord(key, "exclusive", "unknown (a newer luopan's lock)", "?", -1, "", "", "", None,
-                             time.time(), time.time())
-        except (IntegrityError, StorageError) as exc:
+            rec = _unknown(key, "a newer luopan's lock")
+        except StorageError as exc:  # unreadable now (permissions, an outage): obey it, never break it as stale
+            rec = _unknown(key, f"unreadable: {str(exc)[:200]}")
+        except IntegrityError as exc:
             rec = _damaged(key, str(exc).split(": ", 1)[-1][:200])
         out.append(rec)
     return out
+
+
+def _unknown(key: str, why: str) -> LockRecord:
+    """A record that blocks as an exclusive lock, fresh (never stale): only `unlock --all` removes it."""
+    now = time.time()
+    return LockRecord(key, "exclusive", f"unknown ({why})", "?", -1, "", "", "", None, now, now)
 
 
 def break_locks(store: Store, *, stale_only: bool = True) -> list[LockRecord]:

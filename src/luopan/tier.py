@@ -208,6 +208,11 @@ class TieredStore(Store):
             keys = {k for k in keys if not _local_only(k) or self.local.exists(k)}
         return iter(keys)
 
+    def list_flat(self, prefix: str) -> list[str]:
+        if prefix.startswith(LOCAL_LISTING + LOCAL_ONLY):
+            return self.local.list_flat(prefix)
+        return super().list_flat(prefix)
+
     def strays(self, prefix: str = "") -> list[Stray]:
         out = list(self.local.strays(prefix))
         if not prefix.startswith(LOCAL_LISTING + LOCAL_ONLY):
@@ -237,10 +242,21 @@ class TieredStore(Store):
 
 # -- copying one checkpoint --------------------------------------------------------------------------------------
 def _verify_small(dst: Store, key: str, data: bytes) -> None:
-    got = dst.get(key)
+    try:
+        got = dst.get_limited(key, len(data))
+    except IntegrityError as exc:  # larger than what was written
+        raise ReplicationError(f"{key} on {dst.describe()} differs from what was written: {exc}") from None
     if got != data:
         raise ReplicationError(f"{key} on {dst.describe()} differs from what was written ({len(got)} bytes read "
                                f"back, {len(data)} written)")
+
+
+def _get_or_none(store: Store, key: str, limit: int) -> bytes | None:
+    """The object, or None when it is missing or larger than ``limit`` (then it differs from anything we write)."""
+    try:
+        return store.get_limited(key, limit)
+    except (KeyNotFound, IntegrityError):
+        return None
 
 
 def _verify_pack(dst: Store, pack_id: str, size: int) -> None:
@@ -392,7 +408,7 @@ def copy_checkpoint(src: Store, dst: Store, run: str, step: int, *, indexes: _In
         _verify_small(dst, key, extra)
 
     def put_manifest() -> None:
-        if not dst.put_if_absent(mkey, data) and dst.get(mkey) != data:
+        if not dst.put_if_absent(mkey, data) and _get_or_none(dst, mkey, MAX_MANIFEST_BYTES) != data:
             dst.put(mkey, data)  # the checkpoint was saved again with overwrite=True: the source is authoritative
         _verify_small(dst, mkey, data)
 
@@ -581,11 +597,11 @@ class Tier:
 
         assert self.remote is not None
         try:
-            pin = self.local.get(pin_key(run, step))
+            pin = self.local.get_limited(pin_key(run, step), MAX_SMALL_BYTES)
         except KeyNotFound:
             return
         try:
-            there = self.remote.get(pin_key(run, step))
+            there = _get_or_none(self.remote, pin_key(run, step), MAX_SMALL_BYTES)
         except KeyNotFound:
             there = None
         if there != pin:

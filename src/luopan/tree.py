@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import LuopanError, UnsupportedValueError
-from .format.limits import MAX_NDIM, shape_fits
+from .format.limits import MAX_NDIM, MAX_PATH_CHARS, shape_fits
 from .format.names import join_path
 
 _BIG_INT_BITS = 14000  # ints this long may exceed Python's 4300-digit str limit: checked, not assumed
@@ -215,7 +215,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
 
     def walk_numpy(arr: np.ndarray, path: str, scalar: bool) -> dict[str, Any]:
         name = _NUMPY_DTYPE_NAMES.get(arr.dtype)
-        if name is not None:  # fast path: a storable native-order dtype seen before
+        if name is not None and (arr.nbytes or shape_fits(arr.shape, arr.dtype.itemsize)):  # fast path
             identity = None
             if arr.nbytes and not scalar:
                 identity = ("numpy", arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype.str)
@@ -230,6 +230,9 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         dtype = arr.dtype.newbyteorder("=") if arr.dtype.byteorder == ">" else arr.dtype
         if arr.dtype.byteorder != ">":
             _NUMPY_DTYPE_NAMES[arr.dtype] = dtype.name
+        if not arr.nbytes and not shape_fits(arr.shape, arr.dtype.itemsize):
+            raise _refuse(path, f"an empty array of shape {arr.shape}", "dimensions are limited to 2**48; use a "
+                          "smaller empty shape")
         identity = None
         if arr.nbytes and not scalar:
             identity = ("numpy", arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype.str)
@@ -248,8 +251,8 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                 shape = tuple(t.shape)
                 nbytes = t.nbytes
                 if not nbytes and not shape_fits(shape, TORCH_DTYPE_SIZES[name]):
-                    raise _refuse(path, f"an empty tensor of shape {shape}", "NumPy cannot describe it; use a "
-                                  "smaller empty shape")
+                    raise _refuse(path, f"an empty tensor of shape {shape}", "dimensions are limited to 2**48 and "
+                                  "NumPy must be able to describe it; use a smaller empty shape")
                 identity = ("torch", "cpu", t.data_ptr(), shape, t.stride(), dt, t.is_conj(), t.is_neg()) \
                     if nbytes else None
                 return leaf(path, t, "torch", identity, dtype=name, shape=shape, nbytes=nbytes)
@@ -281,6 +284,9 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         raise UnsupportedValueError("cannot save a state tree nested this deeply; flatten it") from None
     paths: set[str] = set()
     for lf in leaves:
+        if len(lf.path) > MAX_PATH_CHARS:
+            raise _refuse(lf.path[:60] + "…", f"a key path of {len(lf.path)} characters",
+                          f"key paths are limited to {MAX_PATH_CHARS} characters; use shorter keys")
         if lf.path in paths:
             places = " and ".join(_places(state, lf.path)[:2])
             raise UnsupportedValueError(

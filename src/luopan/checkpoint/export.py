@@ -89,7 +89,7 @@ def export_safetensors(
         delta = deltas.get(source)
         if delta is None and "delta" in m.entries[source]:  # read the (small) row delta first, then patch chunks
             delta, jobs = delta_jobs(m, source)
-            read_chunks(store, jobs)
+            read_chunks(store, jobs, sizes=sizes)
             deltas[source] = delta
         refs += [(ref, pos, delta) for pos, ref in chunk_refs(m, source)]
     head = json.dumps(header, separators=(",", ":")).encode()

@@ -87,14 +87,15 @@ class PendingDelta:
         apply_patch(out, pos, *self.decode())
 
 
-def entry_jobs(store: Store, m: Manifest, entry_index: int, dest: memoryview) -> list[Any]:
+def entry_jobs(store: Store, m: Manifest, entry_index: int, dest: memoryview,
+               sizes: PackSizes | None = None) -> list[Any]:
     """Read jobs that fill ``dest`` with an entry's bytes. A row delta's index and values are read (and verified)
     first; each base chunk is then patched by the worker that read it, so applying a delta costs little more than
     reading the patch."""
     delta, jobs = delta_jobs(m, entry_index)
     if delta is None:
         return [(ref, dest[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)]
-    read_chunks(store, jobs)
+    read_chunks(store, jobs, sizes=sizes)
     delta.decode()  # check the row numbers once, before any worker uses them
 
     def patcher(pos: int) -> Callable[[memoryview], None]:
@@ -131,6 +132,21 @@ class PackSizes:
         self.store = store
         self._sizes: dict[str, int] = {}
 
+    def prefetch(self, packs: set[str]) -> None:
+        """Look up the sizes of many packs at once, in parallel (one HEAD each on an object store)."""
+        missing = sorted(p for p in packs if p not in self._sizes)
+        if len(missing) < 4:
+            return
+
+        def size(pack: str) -> None:
+            try:
+                self._sizes[pack] = self.store.size(pack_key(pack))
+            except KeyNotFound:
+                pass  # reported by check() with the chunk that needs it
+
+        with ThreadPoolExecutor(min(16, len(missing)), "luopan-stat") as pool:
+            list(pool.map(size, missing))
+
     def check(self, ref: ChunkRef) -> None:
         size = self._sizes.get(ref.pack)
         if size is None:
@@ -149,9 +165,10 @@ def check_rows(store: Store, m: Manifest, entries: list[int] | None = None,
     """Check every chunk row of ``m`` (or of the given entries) against its pack's real size, before anything is
     allocated for them; returns the size cache for the reads that follow."""
     sizes = sizes or PackSizes(store)
-    for i in range(len(m.entries)) if entries is None else entries:
-        for ref in all_chunk_refs(m, i):
-            sizes.check(ref)
+    refs = [ref for i in (range(len(m.entries)) if entries is None else entries) for ref in all_chunk_refs(m, i)]
+    sizes.prefetch({ref.pack for ref in refs})
+    for ref in refs:
+        sizes.check(ref)
     return sizes
 
 
@@ -183,7 +200,7 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | 
         raise IntegrityError(f"hash mismatch: {ref.where()} reads as {actual[:16]}…; the stored bytes are damaged")
 
 
-def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False) -> None:
+def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False, sizes: PackSizes | None = None) -> None:
     """Read and verify many chunks on both cores, each straight into its destination.
 
     Jobs are ``(ref, out)`` or ``(ref, out, after)``: ``after(out)`` runs on the worker once the chunk is verified
@@ -191,7 +208,7 @@ def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False) -> 
     read and verified in scratch memory and only then copied to its destination, so damaged bytes never reach it
     (for restoring into memory the caller already owns).
     """
-    sizes = PackSizes(store)
+    sizes = sizes or PackSizes(store)
 
     def one(job: tuple[Any, ...]) -> None:
         ref, out = job[0], job[1]
@@ -220,6 +237,7 @@ def verify_chunks(
     """Read every chunk into scratch memory and check it; returns the problems found (does not raise them). A pack
     that cannot be read is an UnreadableError problem, and verification carries on."""
     sizes = PackSizes(store)
+    sizes.prefetch({ref.pack for ref in refs})
 
     def one(ref: ChunkRef) -> tuple[int, IntegrityError | None]:
         try:

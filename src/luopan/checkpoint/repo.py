@@ -566,16 +566,19 @@ class Repo:
         check_run(run)
         return catalog.scan(self.store, run).steps.get(run, [])
 
-    def strays(self, run: str | None = None) -> list[Stray]:
-        """What lies in the repository (or under ``run``'s directory) that is not luopan's, each with the reason:
-        skipped by every command, reported by ``luopan verify`` (docs/format.md §2). A stray with ``unreadable``
-        set (a dangling link, a directory that cannot be read) may hide checkpoints: gc refuses to run past it."""
+    def strays(self, run: str | None = None, *, everywhere: bool = False) -> list[Stray]:
+        """What lies under ``runs/`` (or ``run``'s directory; with ``everywhere``, anywhere in the repository) that is
+        not luopan's, each with the reason: skipped by every command, reported by ``luopan verify`` (docs/format.md
+        §2). A stray with ``unreadable`` set (a dangling link, a directory that cannot be read) may hide
+        checkpoints: gc refuses to run past it."""
         if run is not None:
             check_run(run)
             return catalog.scan(self.store, run, strays=True).strays
         seen = {s.key: s for s in catalog.scan(self.store, strays=True).strays}
-        for s in self.store.strays(""):
-            seen.setdefault(s.key, s)
+        if everywhere:  # a walk of every key: packs/ too (a full listing on an object store)
+            for s in self.store.strays(""):
+                if not s.key.startswith(catalog.RUNS):  # runs/ as the catalog sees it (its walk starts there)
+                    seen.setdefault(s.key, s)
         return sorted(seen.values(), key=lambda s: s.key)
 
     def manifest(self, run: str, step: int | None = None) -> Manifest:
@@ -615,7 +618,7 @@ class Repo:
     def load(self, run: str, step: int | None = None) -> Any:
         """The state tree of a checkpoint (latest when ``step`` is None), every chunk verified as it is read."""
         m = self.manifest(run, step)
-        check_rows(self.store, m)  # every row within its pack before any buffer is sized by the manifest
+        sizes = check_rows(self.store, m)  # every row within its pack before any buffer is sized by the manifest
         objs: list[Any] = [None] * len(m.entries)
         jobs: list[Any] = []
         for i, e in enumerate(m.entries):
@@ -623,8 +626,8 @@ class Repo:
                 continue
             obj, view = new_array(e["kind"], e["dtype"], e["shape"])
             objs[i] = obj
-            jobs += entry_jobs(self.store, m, i, view)  # row deltas: each base chunk patched as it is read
-        read_chunks(self.store, jobs)
+            jobs += entry_jobs(self.store, m, i, view, sizes)  # row deltas: each base chunk patched as it is read
+        read_chunks(self.store, jobs, sizes=sizes)
         for i, e in enumerate(m.entries):
             if "alias_of" in e:
                 objs[i] = objs[e["alias_of"]]
@@ -674,15 +677,15 @@ class Repo:
             )
         jobs: list[Any] = []
         copies = []
-        check_rows(self.store, m, [i for _leaf, i in plan])
+        sizes = check_rows(self.store, m, [i for _leaf, i in plan])
         for leaf, i in plan:
             dest = _writable_bytes(leaf)
             if dest is None:  # non-contiguous / device / conj target: read fresh, then copy_ into it
                 e = m.entries[i]
                 fresh, dest = new_array(e["kind"], e["dtype"], e["shape"])
                 copies.append((leaf, fresh))
-            jobs += entry_jobs(self.store, m, i, dest)
-        read_chunks(self.store, jobs, via_scratch=True)  # one batch on both cores; verified before copying
+            jobs += entry_jobs(self.store, m, i, dest, sizes)
+        read_chunks(self.store, jobs, via_scratch=True, sizes=sizes)  # one batch on both cores; verified before copying
         for leaf, fresh in copies:
             if leaf.kind == "torch":
                 with sys.modules["torch"].no_grad():
@@ -714,7 +717,7 @@ class Repo:
             check_run(run)
         if step is not None:
             step = check_step(step)
-        strays = self.strays(run)
+        strays = self.strays(run, everywhere=run is None)
         problems: list[LuopanError] = [UnreadableError(f"cannot verify {s}: checkpoints there cannot be seen")
                                        for s in strays if s.unreadable]
         targets = [(r, s) for r in ([run] if run else self.runs()) for s in ([step] if step is not None

@@ -516,6 +516,9 @@ def gc(
     would = "would " if dry_run else ""
     out.print(f"{rep.manifests} checkpoint(s) reference {rep.live_packs} of {rep.packs} pack(s) "
               f"({human(rep.live_bytes)} live of {human(rep.pack_bytes)})", highlight=False)
+    if rep.stray_manifests:
+        out.print(f"{rep.stray_manifests} manifest(s) in run directories that are not luopan's (see `luopan verify`): "
+                  "the data they name is kept", highlight=False)
     if rep.repacked_packs:
         out.print(f"{would}repack {rep.repacked_packs} pack(s) ({human(rep.repacked_bytes)}): copied "
                   f"{human(rep.copied_bytes)} live data, rewrote {rep.manifests_rewritten} manifest(s)",

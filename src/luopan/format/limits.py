@@ -28,16 +28,19 @@ MAX_NDIM = 64  # NumPy's limit; torch tensors with more dimensions are refused a
 MAX_NBYTES = 1 << 62  # an entry's bytes (also the bound on the product of its non-zero dimensions × item size)
 MAX_COUNT = 1 << 40  # counts and sizes in stats
 MAX_PACK_SIZE = 4 * GiB  # repository config: pack_size
+MAX_PATH_CHARS = 65536  # an entry's key path (manifest.schema.json: maxLength)
 
 
 def shape_fits(shape: list[int] | tuple[int, ...], itemsize: int) -> bool:
-    """Whether NumPy and torch can describe an array of this shape: at most MAX_NDIM dimensions, and the product of
-    its non-zero dimensions times the item size within MAX_NBYTES (NumPy refuses (0, 2**62) even though it is
-    empty)."""
+    """Whether NumPy and torch can describe an array of this shape, and the manifest schema accept it: at most
+    MAX_NDIM dimensions, each at most MAX_DIM, and the product of its non-zero dimensions times the item size within
+    MAX_NBYTES (NumPy refuses (0, 2**62) even though it is empty)."""
     if len(shape) > MAX_NDIM:
         return False
     total = itemsize
     for d in shape:
+        if d > MAX_DIM:
+            return False
         total *= max(d, 1)
         if total > MAX_NBYTES:
             return False

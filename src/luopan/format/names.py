@@ -18,7 +18,8 @@ MAX_TAG_CHARS = 128
 
 
 def is_run_name(name: object) -> bool:
-    return isinstance(name, str) and RUN_RE.fullmatch(name) is not None
+    # ".tmp-" marks temporary files (docs/format.md §2): a run named so would be skipped by listings
+    return isinstance(name, str) and RUN_RE.fullmatch(name) is not None and ".tmp-" not in name
 
 
 def is_hex64(text: object) -> bool:
@@ -32,7 +33,7 @@ def check_run(run: object) -> str:
         shown = repr(run) if not isinstance(run, str) or len(run) <= 80 else repr(run[:80]) + f"… ({len(run)} chars)"
         raise InvalidNameError(
             f"invalid run name {shown}: use 1-128 characters from ASCII letters, digits, '.', '_' and '-', "
-            "starting with a letter or digit (e.g. 'llama-lora-r16')"
+            "starting with a letter or digit, without '.tmp-' (e.g. 'llama-lora-r16')"
         )
     return run
 

@@ -126,6 +126,11 @@ class Store(abc.ABC):
             raise too_large(key, len(data), limit, self.describe())
         return data
 
+    def list_flat(self, prefix: str) -> list[str]:
+        """Keys directly under ``prefix`` (which ends in ``/``), not below it: for directories luopan keeps flat
+        (``locks/``), so a link or a deep tree there costs nothing. Backends may override it for speed."""
+        return [k for k in self.list(prefix) if "/" not in k[len(prefix):]]
+
     def strays(self, prefix: str = "") -> list[Stray]:
         """Entries under ``prefix`` that ``list`` passes over because they cannot be objects (special files,
         dangling links, symlink loops, invalid keys), each with the reason. Backends that hold only objects: none."""

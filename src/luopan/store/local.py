@@ -23,7 +23,7 @@ from .._crash import crashpoint
 from ..errors import LuopanError, StorageError, StorageFullError
 from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
 from .walk import ABSENT as _ABSENT
-from .walk import TMP_MARK, file_kind as _kind, walk
+from .walk import TMP_MARK, file_kind as _kind, list_dir, walk
 
 STALE_TMP_SECONDS = 24 * 3600
 FRESH_TMP_SECONDS = 60.0  # an unlocked temp file younger than this may be a writer's between open and flock
@@ -304,6 +304,12 @@ class LocalStore(Store):
             if stray is None:
                 yield key
 
+    def list_flat(self, prefix: str) -> list[str]:
+        try:
+            return list_dir(self.root, prefix)
+        except OSError as exc:
+            raise self._failed(exc, "list", prefix) from None
+
     def strays(self, prefix: str = "") -> list[Stray]:
         return [stray for _key, stray in walk(self.root, prefix) if stray is not None]
 
@@ -367,9 +373,16 @@ def _try_lock(fd: int) -> bool:
 
 
 def _remove_if_abandoned(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # never follow a link or block on a FIFO: only luopan's own regular temp files are candidates
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return False
+    except OSError:
+        os.close(fd)
         return False
     try:
         try:

@@ -33,9 +33,19 @@ def _readlink(path: str) -> str:
         return "?"
 
 
+MAX_DEPTH = 16  # path components below the root: luopan's deepest keys have 5 (refs/pins/<run>/<step>.json)
+
+
 def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tuple[str, Stray | None]]:
     """(key, None) for every regular file under ``prefix``, following symlinks; (relative path, Stray) for every
-    entry that cannot be a key. With ``temporaries``, temp files are yielded as keys too (for cleanup)."""
+    entry that cannot be a key. With ``temporaries``, temporary files (regular files only) are yielded as absolute
+    paths too, for cleanup.
+
+    Each directory is walked once: one reached again through a link below itself (a loop) is skipped, and one
+    reached again through another link (two names for one directory) is a stray marked ``unreadable`` — which name
+    is luopan's is ambiguous, so gc must not trust the walk. This also bounds the walk: a tree of links cannot make
+    it visit exponentially many paths.
+    """
     rel = prefix.strip("/")
     if rel and not valid_key(rel):
         return
@@ -43,17 +53,22 @@ def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tup
     try:
         st = os.stat(base)
     except ABSENT:
+        dangling = _dangling_component(root, rel)
+        if dangling is not None:  # e.g. runs -> a disk that is not mounted: what lies there is unseen, not absent
+            yield dangling, Stray(dangling, f"a dangling symbolic link (to {_readlink(os.path.join(root, dangling))})",
+                                  unreadable=True)
         return
     except OSError as exc:
         yield rel or ".", Stray(rel or ".", f"cannot be read ({exc.strerror or exc})", unreadable=True)
         return
     if not stat.S_ISDIR(st.st_mode):
         return
+    first: dict[tuple[int, int], str] = {(st.st_dev, st.st_ino): rel}  # directory -> the path it was walked under
     stack = [(base, rel, frozenset({(st.st_dev, st.st_ino)}))]
     while stack:
         d, drel, ancestors = stack.pop()
         try:
-            entries = list(os.scandir(d))
+            entries = sorted(os.scandir(d), key=lambda e: e.name)  # a stable walk: the same alias is first each time
         except ABSENT:
             continue  # removed while we walked
         except OSError as exc:
@@ -62,10 +77,6 @@ def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tup
             continue
         for e in entries:
             krel = f"{drel}/{e.name}" if drel else e.name
-            if TMP_MARK in e.name:
-                if temporaries:
-                    yield e.path, None
-                continue
             try:
                 if e.is_symlink():
                     est = os.stat(e.path)  # follows the link
@@ -76,7 +87,7 @@ def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tup
                 else:
                     est = e.stat(follow_symlinks=False)
             except ABSENT:
-                if e.is_symlink():
+                if e.is_symlink() and TMP_MARK not in e.name:
                     yield krel, Stray(krel, f"a dangling symbolic link (to {_readlink(e.path)})", unreadable=True)
                 continue
             except OSError as exc:
@@ -84,17 +95,59 @@ def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tup
                        else f"cannot be read ({exc.strerror or exc})")
                 yield krel, Stray(krel, why, unreadable=exc.errno != errno.ELOOP)
                 continue
-            if est is None or stat.S_ISREG(est.st_mode):
+            if est is not None and stat.S_ISDIR(est.st_mode):
+                ident = (est.st_dev, est.st_ino)
+                if ident in ancestors:
+                    yield krel, Stray(krel + "/", "a symbolic link loop (a directory containing itself)")
+                elif ident in first:
+                    yield krel, Stray(krel + "/", f"the same directory as {first[ident] or '.'}/ (two names for one "
+                                                  "directory: remove one link)", unreadable=True)
+                elif krel.count("/") >= MAX_DEPTH:
+                    yield krel, Stray(krel + "/", f"nested deeper than {MAX_DEPTH} directories")
+                else:
+                    first[ident] = krel
+                    stack.append((e.path, krel, ancestors | {ident}))
+            elif TMP_MARK in e.name:  # a temporary file (docs/format.md §2): never a key
+                if temporaries and (est is None or stat.S_ISREG(est.st_mode)):
+                    yield e.path, None
+            elif est is None or stat.S_ISREG(est.st_mode):
                 if valid_key(krel):
                     yield krel, None
                 else:
-                    yield krel, Stray(krel, "a file whose name is not a valid key", unreadable=False)
-            elif stat.S_ISDIR(est.st_mode):
-                ident = (est.st_dev, est.st_ino)
-                if ident in ancestors:
-                    yield krel, Stray(krel + "/", "a symbolic link loop (a directory containing itself)",
-                                      unreadable=False)
-                else:
-                    stack.append((e.path, krel, ancestors | {ident}))
+                    yield krel, Stray(krel, "a file whose name is not a valid key")
             else:
-                yield krel, Stray(krel, file_kind(est.st_mode), unreadable=False)
+                yield krel, Stray(krel, file_kind(est.st_mode))
+
+
+def list_dir(root: str, prefix: str) -> list[str]:
+    """Keys of the regular files directly in directory ``prefix`` (following symlinks), not below it. Raises
+    OSError when the directory exists but cannot be read."""
+    rel = prefix.strip("/")
+    base = os.path.join(root, *rel.split("/")) if rel else root
+    try:
+        entries = sorted(os.scandir(base), key=lambda e: e.name)
+    except ABSENT:
+        return []
+    out = []
+    for e in entries:
+        if TMP_MARK in e.name:
+            continue
+        try:
+            regular = e.is_file(follow_symlinks=True)
+        except OSError:
+            continue
+        key = f"{rel}/{e.name}" if rel else e.name
+        if regular and valid_key(key):
+            out.append(key)
+    return out
+
+
+def _dangling_component(root: str, rel: str) -> str | None:
+    """The first path component of ``rel`` (relative to ``root``) that is a dangling symbolic link, if any."""
+    path = root
+    parts = rel.split("/") if rel else []
+    for i, part in enumerate(parts):
+        path = os.path.join(path, part)
+        if not os.path.exists(path):
+            return "/".join(parts[: i + 1]) if os.path.lexists(path) else None
+    return None

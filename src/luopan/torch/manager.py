@@ -22,7 +22,7 @@ from ..checkpoint.read import check_pack_trailer, chunk_refs, delta_jobs, read_c
 from ..checkpoint.repo import CheckpointInfo, Repo, SaveHandle
 from ..checkpoint.repo import open as open_repo
 from ..checkpoint.runrecord import config_json
-from ..errors import IntegrityError, StorageError
+from ..errors import IntegrityError
 from ..format.manifest import Manifest, stored_rows
 from ..format.names import check_run, pack_key
 from ..store.base import KeyNotFound
@@ -75,10 +75,12 @@ class CheckpointManager:
         """Restore the latest checkpoint of the run (or ``step``) into the training state; returns its step, or 0
         when the run has no checkpoint yet. Everything is checked before anything is changed.
 
-        Without ``step``, a newest checkpoint that does not verify (a damaged or missing manifest, pack or chunk, or
-        one that cannot be read) is skipped with a warning naming it and why, and the next newer one that verifies
-        is restored (``restore_skipped`` lists what was passed over); if none verifies, IntegrityError names them
-        all. With ``step``, that checkpoint or an error: never a silent fallback to another step.
+        Without ``step``, a newest checkpoint that does not verify (a damaged manifest, a damaged or missing pack or
+        chunk) is skipped with a warning naming it and why, and the next older one that verifies is restored
+        (``restore_skipped`` lists what was passed over; the loop's next saves of those steps replace them). If none
+        verifies, IntegrityError names them all. A checkpoint that cannot be *read* (permissions, an unreachable
+        object store) raises instead: that is not damage, and falling back would silently lose progress. With
+        ``step``, that checkpoint or an error: never a fallback to another step.
         """
         if step is not None:
             return self._restore(step, strict)
@@ -89,7 +91,7 @@ class CheckpointManager:
         for candidate in reversed(steps):
             try:
                 return self._restore(candidate, strict)
-            except (IntegrityError, StorageError) as exc:  # the state was not touched: load verifies first
+            except IntegrityError as exc:  # the state was not touched: load verifies everything first
                 self.restore_skipped.append((candidate, str(exc)))
                 warnings.warn(f"run {self.run!r}: skipped checkpoint step {candidate}, which does not verify "
                               f"({exc}); trying the one before it", stacklevel=2)
@@ -141,14 +143,18 @@ class CheckpointManager:
         out: CheckpointInfo | SaveHandle
         if self.async_save:
             out = self.repo.save_async(self.run, step, tree, metrics=metrics, metadata=metadata,
-                                       trust_versions=self.trust_versions)
+                                       trust_versions=self.trust_versions, overwrite=self._replaces(step))
             self._pending = (out, step, self.clock() - start)  # booked once it is committed (_finish_pending)
             return out
         out = self.repo.save(self.run, step, tree, metrics=metrics, metadata=metadata,
-                             trust_versions=self.trust_versions)
+                             trust_versions=self.trust_versions, overwrite=self._replaces(step))
         self._booked(step, self.clock() - start)
         self._check_saved(step, tree)
         return out
+
+    def _replaces(self, step: int) -> bool:
+        """A step restore() skipped as damaged is saved again over the damaged checkpoint (never any other step)."""
+        return any(s == step for s, _why in self.restore_skipped)
 
     def _booked(self, step: int, cost: float) -> None:
         """A committed save: the policy learns its cost (the time the loop was blocked); retention runs."""
