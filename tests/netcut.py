@@ -24,6 +24,11 @@ def _abort(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
     except OSError:
         pass
+    _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut ``sock`` down and close it, ignoring a socket already closed."""
     try:
         sock.shutdown(socket.SHUT_RDWR)  # wakes a recv() blocked in another thread
     except OSError:
@@ -146,11 +151,4 @@ class NetCut:
             self._open.discard(src)
             self._open.discard(dst)
         for sock in (src, dst):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                sock.close()
-            except OSError:
-                pass
+            _shut(sock)

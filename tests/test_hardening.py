@@ -88,12 +88,18 @@ def test_symlink_loop_is_walked_once_and_reported(root):
         assert repo.gc(grace=0).deleted_packs == 0
 
 
+def _move_to_an_unmounted_disk(path, tmp_path) -> None:
+    """Move ``path`` to tmp_path/disk, link it back, then make the link dangle (the disk is "unmounted"): renaming
+    tmp_path/unmounted back to tmp_path/disk "mounts" it again."""
+    shutil.move(path, tmp_path / "disk")
+    os.symlink(tmp_path / "disk", path)
+    os.rename(tmp_path / "disk", tmp_path / "unmounted")
+
+
 def test_gc_refuses_when_a_linked_run_cannot_be_seen(root, tmp_path):
     """A run linked to a disk that is not mounted: gc must not delete what its checkpoints need."""
     two_checkpoints(root, run="away")
-    shutil.move(root / "runs" / "away", tmp_path / "disk")
-    os.symlink(tmp_path / "disk", root / "runs" / "away")
-    os.rename(tmp_path / "disk", tmp_path / "unmounted")
+    _move_to_an_unmounted_disk(root / "runs" / "away", tmp_path)
     with luopan.open(root) as repo:
         packs = sorted((root / "packs").rglob("*.pack"))
         with pytest.raises(luopan.GcError, match="dangling symbolic link"):
@@ -552,9 +558,7 @@ def test_pin_tags_are_validated(root):
 def test_gc_refuses_when_runs_itself_is_a_dangling_link(root, tmp_path):
     """`runs` moved to another disk and linked back, the disk not mounted: gc must not see "no checkpoints"."""
     two_checkpoints(root)
-    shutil.move(root / "runs", tmp_path / "disk")
-    os.symlink(tmp_path / "disk", root / "runs")
-    os.rename(tmp_path / "disk", tmp_path / "unmounted")
+    _move_to_an_unmounted_disk(root / "runs", tmp_path)
     with luopan.open(root) as repo:
         packs = sorted((root / "packs").rglob("*.pack"))
         with pytest.raises(luopan.GcError, match="runs: a dangling symbolic link"):

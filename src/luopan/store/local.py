@@ -18,6 +18,7 @@ import socket
 import stat
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .._crash import crashpoint
 from ..errors import LuopanError, StorageError, StorageFullError
@@ -174,19 +175,33 @@ class LocalStore(Store):
         return exc
 
     # -- primitives ---------------------------------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
+    @contextmanager
+    def _mapping(self, op: str, key: str) -> Iterator[None]:
+        """OSErrors of ``op`` on ``key`` raised as typed errors (StorageError, StorageFullError)."""
+        try:
+            yield
+        except OSError as exc:
+            failed = self._failed(exc, op, key)
+            if failed is exc:
+                raise
+            raise failed from exc
+
+    @contextmanager
+    def _reading(self, key: str) -> Iterator[int]:
+        """An fd open for reading on the regular file ``key``; OSErrors become typed errors; always closed."""
         fd = self._open_regular(key)
         try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read()
-        except OSError as exc:
-            raise self._failed(exc, "read", key) from None
+            with self._mapping("read", key):
+                yield fd
         finally:
             os.close(fd)
 
+    def get(self, key: str) -> bytes:
+        with self._reading(key) as fd, os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+
     def get_limited(self, key: str, limit: int) -> bytes:
-        fd = self._open_regular(key)
-        try:
+        with self._reading(key) as fd:
             size = os.fstat(fd).st_size
             if size > limit:
                 raise too_large(key, size, limit, self.root)
@@ -199,26 +214,16 @@ class LocalStore(Store):
                         break
                     parts.append(more)
                     total += len(more)
-            if total > limit:
-                raise too_large(key, total, limit, self.root)
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-        except OSError as exc:
-            raise self._failed(exc, "read", key) from None
-        finally:
-            os.close(fd)
+        if total > limit:
+            raise too_large(key, total, limit, self.root)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        fd = self._open_regular(key)
-        try:
+        with self._reading(key) as fd:
             return os.pread(fd, length, offset)
-        except OSError as exc:
-            raise self._failed(exc, "read", key) from None
-        finally:
-            os.close(fd)
 
     def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        fd = self._open_regular(key)
-        try:
+        with self._reading(key) as fd:
             got = 0
             while got < len(out):
                 n = os.preadv(fd, [out[got:]], offset + got)
@@ -226,15 +231,11 @@ class LocalStore(Store):
                     break
                 got += n
             return got
-        except OSError as exc:
-            raise self._failed(exc, "read", key) from None
-        finally:
-            os.close(fd)
 
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
         kind = _crash_kind(key)
-        try:
+        with self._mapping("write", key):
             tmp, fd = self._write_temp(path, data, kind)
             try:
                 os.replace(tmp, path)
@@ -246,18 +247,13 @@ class LocalStore(Store):
             crashpoint(f"{kind}.renamed")
             _fsync_dir(os.path.dirname(path))
             crashpoint(f"{kind}.dirsynced")
-        except OSError as exc:
-            failed = self._failed(exc, "write", key)
-            if failed is exc:
-                raise
-            raise failed from exc
 
     def put_if_absent(self, key: str, data: Data) -> bool:
         path = self._path(key)
         if os.path.lexists(path):
             return False
         kind = _crash_kind(key)
-        try:
+        with self._mapping("write", key):
             tmp, fd = self._write_temp(path, data, kind)
             try:
                 try:
@@ -280,24 +276,15 @@ class LocalStore(Store):
             _fsync_dir(os.path.dirname(path))
             crashpoint(f"{kind}.dirsynced")
             return True
-        except OSError as exc:
-            failed = self._failed(exc, "write", key)
-            if failed is exc:
-                raise
-            raise failed from exc
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        try:
-            os.unlink(path)
-        except _ABSENT:
-            return
-        except OSError as exc:
-            raise self._failed(exc, "delete", key) from None
-        try:
+        with self._mapping("delete", key):
+            try:
+                os.unlink(path)
+            except _ABSENT:
+                return
             _fsync_dir(os.path.dirname(path))
-        except OSError as exc:
-            raise self._failed(exc, "delete", key) from None
 
     def list(self, prefix: str = "") -> Iterator[str]:
         for key, stray in walk(self.root, prefix):
