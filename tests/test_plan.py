@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from luopan import plan
+from luopan.cli.app import exit_code_for
 from luopan.cli.main import app
 
 runner = CliRunner()
@@ -146,7 +147,7 @@ def test_parse_bytes_and_fraction():
 def test_parse_errors_are_typed(parse, text, message):
     with pytest.raises(plan.PlanInputError, match=message) as info:
         parse(text)
-    assert isinstance(info.value, ValueError) and info.value.exit_code == 2
+    assert isinstance(info.value, ValueError) and exit_code_for(info.value) == 2
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,11 +6,13 @@
     state = repo.load("run-a")
 """
 
+from . import policies, retention
 from .checkpoint.repo import CheckpointInfo, Repo, SaveHandle, VerifyReport, init, open
 from .checkpoint.rowdelta import DeltaPolicy
 from .checkpoint.runrecord import Run
 from .tier import ColdPolicy
 from .errors import (
+    ArgumentTypeError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigConflictError,
@@ -30,6 +32,9 @@ from .errors import (
     ObjectStoreError,
     ObjectTooLargeError,
     OutputPathError,
+    PlanInputError,
+    ProbeError,
+    ReplicationError,
     RepoExistsError,
     RepoNotFoundError,
     StateMismatchError,
@@ -43,7 +48,18 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
+    """``luopan.torch`` on first use: importing luopan must not import torch, nor require it to be installed."""
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'luopan' has no attribute {name!r}")
+
+
 __all__ = [
+    "ArgumentTypeError",
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
@@ -66,11 +82,14 @@ __all__ = [
     "ObjectStoreError",
     "ObjectTooLargeError",
     "OutputPathError",
+    "PlanInputError",
+    "ProbeError",
+    "ReplicationError",
     "Repo",
-    "Run",
-    "SaveHandle",
     "RepoExistsError",
     "RepoNotFoundError",
+    "Run",
+    "SaveHandle",
     "StateMismatchError",
     "StorageError",
     "StorageFullError",
@@ -81,4 +100,6 @@ __all__ = [
     "VerifyReport",
     "init",
     "open",
+    "policies",
+    "retention",
 ]

@@ -1,16 +1,17 @@
 """The luopan exception hierarchy.
 
 Every error a user can cause or meet derives from `LuopanError` and from the built-in exception it resembles, so
-callers can catch either. The CLI maps `LuopanError` subclasses to exit codes; anything else is a bug.
+callers can catch either. The CLI maps these classes to exit codes in one table (luopan.cli.app.EXIT_CODES);
+anything else reaching it is a bug. Extra fields an error carries are declared on its class.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LuopanError(Exception):
     """Base of every user-facing luopan error."""
-
-    exit_code = 1
 
 
 class InvalidNameError(LuopanError, ValueError):
@@ -18,16 +19,20 @@ class InvalidNameError(LuopanError, ValueError):
 
 
 class UsageError(LuopanError, ValueError):
-    """An option or argument that cannot do what was meant (e.g. a retention rule naming a metric no checkpoint
-    records): nothing was changed. The CLI exits 2, as for a bad flag."""
+    """An option or argument that cannot do what was meant (a negative timeout, a retention rule naming a metric no
+    checkpoint records): nothing was changed. The CLI exits 2, as for a bad flag."""
 
-    exit_code = 2
+
+class ArgumentTypeError(LuopanError, TypeError):
+    """An argument of the wrong type (e.g. a policy where a retention rule is expected): nothing was changed."""
+
+
+class PlanInputError(UsageError):
+    """A size, rate, duration or option given to ``luopan plan`` cannot be understood, or conflicts with another."""
 
 
 class RepoNotFoundError(LuopanError, FileNotFoundError):
     """No luopan repository at the given location."""
-
-    exit_code = 4
 
 
 class RepoExistsError(LuopanError, FileExistsError):
@@ -44,8 +49,6 @@ class ConfigConflictError(LuopanError, ValueError):
 
 class CheckpointNotFoundError(LuopanError, KeyError, LookupError):
     """The run or step asked for has no committed checkpoint."""
-
-    exit_code = 4
 
     def __str__(self) -> str:  # KeyError would otherwise print the repr of the message
         return str(self.args[0]) if self.args else ""
@@ -70,8 +73,6 @@ class LayoutMismatchError(StateMismatchError):
 class UnsupportedFormatError(LuopanError, RuntimeError):
     """The repository or a file in it has a newer format_version than this luopan reads."""
 
-    exit_code = 5
-
 
 class StorageError(LuopanError, OSError):
     """The store refused or failed an operation: permissions, a read-only filesystem, an I/O error, an unreachable
@@ -91,6 +92,14 @@ class OutputPathError(LuopanError, OSError):
     directory is missing, a directory is in the way, or permission is denied. Nothing was written."""
 
 
+class ProbeError(StorageError):
+    """The bandwidth probe of ``luopan plan`` could not write, fsync or remove its temporary file."""
+
+
+class ReplicationError(LuopanError, RuntimeError):
+    """A checkpoint could not be replicated to another tier, or its copy there did not verify."""
+
+
 class StorageFullError(StorageError):
     """The store ran out of space during a save; nothing partial was committed."""
 
@@ -99,11 +108,20 @@ class InsufficientSpaceError(StorageFullError):
     """The space preflight of a save found less free space than the estimated new bytes times the margin; nothing
     was written. ``needed``, ``free``, ``estimate`` (bytes) and ``gc_frees`` / ``prune_frees`` say what would help."""
 
+    needed: int | None = None
+    free: int | None = None
+    estimate: int | None = None
+    gc_frees: int | None = None
+    prune_frees: int | None = None
+
 
 class IntegrityError(LuopanError, ValueError):
-    """Stored data does not match its recorded hash or structure."""
+    """Stored data does not match its recorded hash or structure. From ``verify``: ``problems`` lists every one
+    found and ``report`` is the VerifyReport; a problem of one chunk names it in ``chunk`` (a ChunkRef)."""
 
-    exit_code = 3
+    problems: list[Any] | None = None
+    report: Any = None
+    chunk: Any = None
 
 
 class CorruptPackError(IntegrityError):
@@ -138,5 +156,3 @@ class LockedError(LuopanError, TimeoutError):
 
 class GcError(LuopanError, RuntimeError):
     """Garbage collection cannot run safely (e.g. a damaged manifest: gc cannot tell what that checkpoint needs)."""
-
-    exit_code = 3

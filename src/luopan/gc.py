@@ -44,6 +44,7 @@ from .errors import (
     IntegrityError,
     StorageError,
     UnsupportedFormatError,
+    UsageError,
 )
 from .format import BASE_FORMAT_VERSION
 from .format.canonical import SealError, canonical, seal, sealed_checksum, unseal
@@ -199,9 +200,9 @@ def collect(
     is rewritten. ``dry_run`` computes the same plan and changes nothing (it does not take the lock either).
     """
     if grace < 0:
-        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+        raise UsageError(f"grace must be >= 0 seconds, got {grace}")
     if not 0 <= repack_below <= 1:
-        raise ValueError(f"repack_below must be a fraction from 0 to 1, got {repack_below}")
+        raise UsageError(f"repack_below must be a fraction from 0 to 1, got {repack_below}")
     repo._drain()
     if dry_run:
         return _collect(repo, grace, repack_below, True, now, progress)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import IntegrityError, LockedError, StorageError, UnsupportedFormatError
+from .errors import IntegrityError, LockedError, StorageError, UnsupportedFormatError, UsageError
 from .format import BASE_FORMAT_VERSION, refuse_newer
 from .format.canonical import SealError, parse_object, seal, verify_seal
 from .format.limits import MAX_SMALL_BYTES
@@ -392,7 +392,7 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
     saves either. Of two exclusive lockers the older record wins; the younger withdraws until the older is gone.
     """
     if kind not in ("shared", "exclusive"):
-        raise ValueError(f"lock kind must be 'shared' or 'exclusive', not {kind!r}")
+        raise UsageError(f"lock kind must be 'shared' or 'exclusive', not {kind!r}")
     if _orphans:
         retry_releases()  # our own records from a failed release must not block us
     deadline = None if timeout is None else time.monotonic() + timeout

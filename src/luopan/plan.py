@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import LuopanError
+from .errors import PlanInputError, ProbeError
 
 __all__ = [
     "Accounting", "PlanInputError", "ProbeError", "ProbeResult", "IntervalCost", "SaveCost", "ModelPlan",
@@ -57,16 +57,6 @@ MASTER_BYTES = {"none": 0, "fp32": 4}
 OPTIMIZER_BYTES = {"adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
 OPTIMIZER_TEXT = {"adam": "Adam 2×fp32 moments", "sgd-momentum": "SGD momentum fp32", "sgd": "SGD (no state)",
                   "none": "no optimizer"}
-
-
-class PlanInputError(LuopanError, ValueError):
-    """A size, rate, duration or option given to ``plan`` cannot be understood, or conflicts with another."""
-
-    exit_code = 2  # a usage error: the CLI's bad-flag code
-
-
-class ProbeError(LuopanError, OSError):
-    """The bandwidth probe could not write, fsync or remove its temporary file."""
 
 
 # ---------------------------------------------------------------------------------------------------- parsing

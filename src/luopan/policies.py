@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import ArgumentTypeError, UsageError
+
 __all__ = ["AnyOf", "EveryNSteps", "EveryTSeconds", "LossSpike", "Phased", "SavePolicy", "YoungDaly"]
 
 # YoungDaly's save cost C is the mean of this many latest measurements: recent enough to follow saves getting
@@ -76,10 +78,10 @@ class AnyOf(SavePolicy):
 
     def __init__(self, *policies: SavePolicy) -> None:
         if not policies:
-            raise ValueError("AnyOf needs at least one policy, e.g. AnyOf(EveryNSteps(100), LossSpike())")
+            raise UsageError("AnyOf needs at least one policy, e.g. AnyOf(EveryNSteps(100), LossSpike())")
         for p in policies:
             if not isinstance(p, SavePolicy):
-                raise TypeError(f"AnyOf takes SavePolicy objects, got {type(p).__name__}: {p!r}")
+                raise ArgumentTypeError(f"AnyOf takes SavePolicy objects, got {type(p).__name__}: {p!r}")
         self.policies: tuple[SavePolicy, ...] = tuple(policies)
 
     def should_save(self, step: int, metrics: Mapping[str, float] | None, now: float) -> str | None:
@@ -105,7 +107,7 @@ class AnyOf(SavePolicy):
         states = state.get("policies")
         if not isinstance(states, list) or len(states) != len(self.policies):
             got = len(states) if isinstance(states, list) else "no"
-            raise ValueError(f"AnyOf state holds {got} policies, this AnyOf has {len(self.policies)}: "
+            raise UsageError(f"AnyOf state holds {got} policies, this AnyOf has {len(self.policies)}: "
                              "compose the same policies, in the same order, as the run that saved it")
         for p, s in zip(self.policies, states):
             p.load_state_dict(s)
@@ -221,13 +223,13 @@ class Phased(SavePolicy):
         self.early_every = _positive_int("Phased: early_every", early_every)
         self.late_every = _positive_int("Phased: late_every", late_every)
         if self.early_every >= self.late_every:
-            raise ValueError(f"Phased: early_every ({early_every}) must be smaller than late_every ({late_every}): "
+            raise UsageError(f"Phased: early_every ({early_every}) must be smaller than late_every ({late_every}): "
                              "dense saves early, sparse ones once converged; for a fixed interval use EveryNSteps")
         if switch_at_step is not None:
             loss_options = {"metric": metric, "window": window, "flat_below": flat_below, "rise_above": rise_above}
             given = [k for k, v in loss_options.items() if v is not None]
             if given:
-                raise ValueError(f"Phased: switch_at_step switches by step alone, so {', '.join(given)} would be "
+                raise UsageError(f"Phased: switch_at_step switches by step alone, so {', '.join(given)} would be "
                                  "ignored; pass switch_at_step or the loss options, not both")
             self.switch_at_step: int | None = _positive_int("Phased: switch_at_step", switch_at_step)
         else:
@@ -337,14 +339,14 @@ class LossSpike(SavePolicy):
                  cooldown: int = 50) -> None:
         factor = _positive_float("LossSpike: factor", factor)
         if factor <= 1:
-            raise ValueError(f"LossSpike: factor must be > 1 (a spike is a value factor times its moving mean), "
+            raise UsageError(f"LossSpike: factor must be > 1 (a spike is a value factor times its moving mean), "
                              f"got {factor!r}")
         self.factor = factor
         self.window = _positive_int("LossSpike: window", window)
         self.metric = _metric_name("LossSpike", metric)
         self.min_history = _positive_int("LossSpike: min_history", min_history)
         if self.min_history > self.window:
-            raise ValueError(f"LossSpike: min_history ({min_history}) cannot exceed window ({window}): "
+            raise UsageError(f"LossSpike: min_history ({min_history}) cannot exceed window ({window}): "
                              "the window never holds more values")
         self.cooldown = _non_negative_int("LossSpike: cooldown", cooldown)
         self._values: deque[float] = deque(maxlen=self.window)
@@ -419,7 +421,7 @@ class YoungDaly(SavePolicy):
         self.min_interval_s = _non_negative_float("YoungDaly: min_interval_s", min_interval_s)
         self.max_interval_s = _positive_float("YoungDaly: max_interval_s", max_interval_s, allow_inf=True)
         if self.min_interval_s > self.max_interval_s:
-            raise ValueError(f"YoungDaly: min_interval_s ({min_interval_s:g}) must not exceed max_interval_s "
+            raise UsageError(f"YoungDaly: min_interval_s ({min_interval_s:g}) must not exceed max_interval_s "
                              f"({max_interval_s:g})")
         self._costs: deque[float] = deque(maxlen=_COST_WINDOW)
         self._timer = _Timer()
@@ -504,9 +506,9 @@ def _members(policy: SavePolicy) -> tuple[SavePolicy, ...]:
 def _check_kind(policy: SavePolicy, state: Mapping[str, Any]) -> None:
     name = type(policy).__name__
     if not isinstance(state, Mapping):
-        raise ValueError(f"{name}.load_state_dict takes the dict its state_dict() returned, got {type(state).__name__}")
+        raise UsageError(f"{name}.load_state_dict takes the dict its state_dict() returned, got {type(state).__name__}")
     if state.get("policy") != name:
-        raise ValueError(f"state is for policy {state.get('policy')!r}, not {name}: load it into the same policy "
+        raise UsageError(f"state is for policy {state.get('policy')!r}, not {name}: load it into the same policy "
                          "that saved it")
 
 
@@ -532,19 +534,19 @@ def _relative(delta: float, reference: float) -> float:
 
 def _number(what: str, value: object, expected: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-        raise ValueError(f"{what} must be {expected}, got {value!r}")
+        raise UsageError(f"{what} must be {expected}, got {value!r}")
     return float(value)
 
 
 def _positive_int(what: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
+        raise UsageError(f"{what} must be a positive int, got {value!r}")
     return value
 
 
 def _non_negative_int(what: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+        raise UsageError(f"{what} must be an int >= 0, got {value!r}")
     return value
 
 
@@ -552,14 +554,14 @@ def _positive_float(what: str, value: object, allow_inf: bool = False) -> float:
     expected = "a number > 0" if allow_inf else "a finite number > 0"
     v = _number(what, value, expected)
     if v <= 0 or (math.isinf(v) and not allow_inf):
-        raise ValueError(f"{what} must be {expected}, got {value!r}")
+        raise UsageError(f"{what} must be {expected}, got {value!r}")
     return v
 
 
 def _non_negative_float(what: str, value: object) -> float:
     v = _number(what, value, "a finite number >= 0")
     if v < 0 or math.isinf(v):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+        raise UsageError(f"{what} must be a finite number >= 0, got {value!r}")
     return v
 
 
@@ -567,13 +569,13 @@ def _fraction(what: str, value: object, allow_one: bool = False) -> float:
     expected = f"a fraction in (0, 1{']' if allow_one else ')'}"
     v = _number(what, value, expected)
     if not (0 < v < 1 or (allow_one and v == 1)):
-        raise ValueError(f"{what} must be {expected}, got {value!r}")
+        raise UsageError(f"{what} must be {expected}, got {value!r}")
     return v
 
 
 def _metric_name(who: str, name: object) -> str:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{who}: metric must be the name of a metric (a non-empty str), got {name!r}")
+        raise UsageError(f"{who}: metric must be the name of a metric (a non-empty str), got {name!r}")
     return name
 
 

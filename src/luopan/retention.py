@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from .errors import UsageError
+from .errors import ArgumentTypeError, UsageError
 from .policies import _positive_int
 
 __all__ = [
@@ -100,14 +100,14 @@ class Checkpoint:
 
     def __post_init__(self) -> None:
         if not isinstance(self.step, int) or isinstance(self.step, bool) or self.step < 0:
-            raise ValueError(f"Checkpoint: step must be an int >= 0, got {self.step!r}")
+            raise UsageError(f"Checkpoint: step must be an int >= 0, got {self.step!r}")
         if not isinstance(self.created, datetime):
-            raise ValueError(f"Checkpoint {self.step}: created must be a datetime, got {self.created!r}")
+            raise UsageError(f"Checkpoint {self.step}: created must be a datetime, got {self.created!r}")
         if self.created.tzinfo is None or self.created.utcoffset() is None:
-            raise ValueError(f"Checkpoint {self.step}: created must be timezone-aware (e.g. UTC), got "
+            raise UsageError(f"Checkpoint {self.step}: created must be timezone-aware (e.g. UTC), got "
                              f"{self.created.isoformat()}")
         if isinstance(self.tags, str):
-            raise ValueError(f"Checkpoint {self.step}: tags must be a tuple of str, got the str {self.tags!r}")
+            raise UsageError(f"Checkpoint {self.step}: tags must be a tuple of str, got the str {self.tags!r}")
         object.__setattr__(self, "tags", tuple(self.tags))
 
     @classmethod
@@ -141,11 +141,11 @@ def parse_time(value: Any) -> datetime:
         try:
             t = datetime.fromisoformat(text)
         except ValueError:
-            raise ValueError(f"created time {value!r} is not ISO-8601, e.g. 2024-05-01T12:00:00+00:00") from None
+            raise UsageError(f"created time {value!r} is not ISO-8601, e.g. 2024-05-01T12:00:00+00:00") from None
     else:
-        raise ValueError(f"created time must be an ISO-8601 str or a datetime, got {value!r}")
+        raise UsageError(f"created time must be an ISO-8601 str or a datetime, got {value!r}")
     if t.tzinfo is None or t.utcoffset() is None:
-        raise ValueError(f"created time {value!r} has no timezone: give one, e.g. +00:00 for UTC")
+        raise UsageError(f"created time {value!r} has no timezone: give one, e.g. +00:00 for UTC")
     return t
 
 
@@ -175,7 +175,7 @@ class Retention(RetentionRule):
     def __init__(self, *rules: RetentionRule) -> None:
         for r in rules:
             if not isinstance(r, RetentionRule):
-                raise TypeError(f"Retention takes retention rules (KeepLast, KeepBest, ...), got "
+                raise ArgumentTypeError(f"Retention takes retention rules (KeepLast, KeepBest, ...), got "
                                 f"{type(r).__name__}: {r!r}")
         self.rules: tuple[RetentionRule, ...] = tuple(m for r in rules for m in _members(r))
 
@@ -223,9 +223,9 @@ class KeepBest(RetentionRule):
     def __init__(self, n: int, metric: str, mode: str = "min") -> None:
         self.n = _positive_int("KeepBest: n", n)
         if not isinstance(metric, str) or not metric:
-            raise ValueError(f"KeepBest: metric must be the name of a metric (a non-empty str), got {metric!r}")
+            raise UsageError(f"KeepBest: metric must be the name of a metric (a non-empty str), got {metric!r}")
         if mode not in ("min", "max"):
-            raise ValueError(f"KeepBest: mode must be 'min' (lower is better) or 'max' (higher is better), "
+            raise UsageError(f"KeepBest: mode must be 'min' (lower is better) or 'max' (higher is better), "
                              f"got {mode!r}")
         self.metric, self.mode = metric, mode
 
@@ -254,13 +254,13 @@ class KeepEvery(RetentionRule):
         if isinstance(seconds, timedelta):
             seconds = seconds.total_seconds()
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
-            raise ValueError(f"KeepEvery: seconds must be a finite number > 0, got {seconds!r}")
+            raise UsageError(f"KeepEvery: seconds must be a finite number > 0, got {seconds!r}")
         try:
             self.period = timedelta(seconds=seconds)
         except OverflowError:
-            raise ValueError(f"KeepEvery: seconds {seconds!r} is too long a period") from None
+            raise UsageError(f"KeepEvery: seconds {seconds!r} is too long a period") from None
         if self.period < _MICROSECOND:
-            raise ValueError(f"KeepEvery: seconds must be at least one microsecond, got {seconds!r}")
+            raise UsageError(f"KeepEvery: seconds must be at least one microsecond, got {seconds!r}")
         self.seconds = self.period.total_seconds()
         self.anchor = EPOCH if anchor is None else parse_time(anchor)
 
@@ -310,7 +310,7 @@ class KeepTagged(RetentionRule):
 
     def __init__(self, tag: str) -> None:
         if not isinstance(tag, str) or not tag:
-            raise ValueError(f"KeepTagged: tag must be a non-empty str, got {tag!r}")
+            raise UsageError(f"KeepTagged: tag must be a non-empty str, got {tag!r}")
         self.tag = tag
 
     def keep(self, checkpoints: Sequence[Checkpoint]) -> dict[int, str]:
@@ -364,16 +364,16 @@ def plan(checkpoints: Iterable[Checkpoint], rules: RetentionRule | Iterable[Rete
     retention = rules if isinstance(rules, Retention) else (
         Retention(rules) if isinstance(rules, RetentionRule) else Retention(*_rule_list(rules)))
     if not retention.rules:
-        raise ValueError(NO_RULE_MESSAGE)
+        raise UsageError(NO_RULE_MESSAGE)
     items = list(checkpoints)
     for c in items:
         if not isinstance(c, Checkpoint):
-            raise TypeError(f"plan takes Checkpoint records (Checkpoint.from_info builds one from a "
+            raise ArgumentTypeError(f"plan takes Checkpoint records (Checkpoint.from_info builds one from a "
                             f"CheckpointInfo), got {type(c).__name__}: {c!r}")
     items.sort(key=lambda c: c.step)
     for a, b in zip(items, items[1:]):
         if a.step == b.step:
-            raise ValueError(f"step {a.step} is listed twice: a run has one checkpoint per step")
+            raise UsageError(f"step {a.step} is listed twice: a run has one checkpoint per step")
     by_rule = retention.reasons(items)
     keep: dict[int, list[str]] = {}
     for i, c in enumerate(items):
@@ -421,7 +421,7 @@ _DURATION_FORM = "a number with a unit s, m, h, d or w, e.g. 24h, 7d, 90m, 3600s
 def parse_duration(text: str) -> float:
     """Seconds from ``"24h"``, ``"7d"``, ``"90m"``, ``"3600s"``, ``"2w"`` or a sum like ``"1h30m"``; must be > 0."""
     if not isinstance(text, str):
-        raise ValueError(f"a duration must be {_DURATION_FORM}, got {text!r}")
+        raise UsageError(f"a duration must be {_DURATION_FORM}, got {text!r}")
     s = text.strip().lower()
     pos, total = 0, 0.0
     for m in _DURATION.finditer(s):
@@ -431,9 +431,9 @@ def parse_duration(text: str) -> float:
         pos = m.end()
     if not s or pos != len(s):
         hint = " (the unit is required)" if re.fullmatch(r"\d+(\.\d+)?", s) else ""
-        raise ValueError(f"duration {text!r} must be {_DURATION_FORM}{hint}")
+        raise UsageError(f"duration {text!r} must be {_DURATION_FORM}{hint}")
     if not total > 0 or not math.isfinite(total):
-        raise ValueError(f"duration {text!r} must be longer than zero")
+        raise UsageError(f"duration {text!r} must be longer than zero")
     return total
 
 
@@ -455,17 +455,17 @@ def parse_keep_best(text: str) -> KeepBest:
     """
     form = "N:METRIC[:min|max], e.g. 3:loss:min or 2:accuracy:max"
     if not isinstance(text, str) or ":" not in text:
-        raise ValueError(f"--keep-best takes {form}, got {text!r}")
+        raise UsageError(f"--keep-best takes {form}, got {text!r}")
     count, rest = text.split(":", 1)
     mode = "min"
     head, sep, tail = rest.rpartition(":")
     if sep and tail in ("min", "max"):
         rest, mode = head, tail
     elif sep and tail.lower() in ("min", "max", "minimize", "maximize", "lower", "higher"):
-        raise ValueError(f"--keep-best: the mode must be 'min' or 'max' (lowercase), got {tail!r} in {text!r}")
+        raise UsageError(f"--keep-best: the mode must be 'min' or 'max' (lowercase), got {tail!r} in {text!r}")
     n = _parse_count("--keep-best", count, form)
     if not rest:
-        raise ValueError(f"--keep-best: no metric name in {text!r}; it takes {form}")
+        raise UsageError(f"--keep-best: no metric name in {text!r}; it takes {form}")
     return KeepBest(n, rest, mode)
 
 
@@ -493,7 +493,7 @@ def _members(rule: RetentionRule) -> tuple[RetentionRule, ...]:
 
 def _rule_list(rules: Any) -> list[RetentionRule]:
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
-        raise TypeError(f"plan takes a retention rule or an iterable of them, got {type(rules).__name__}: {rules!r}")
+        raise ArgumentTypeError(f"plan takes a retention rule or an iterable of them, got {type(rules).__name__}: {rules!r}")
     return list(rules)
 
 
@@ -503,9 +503,9 @@ def _parse_count(flag: str, text: object, form: str) -> int:
     elif isinstance(text, str) and re.fullmatch(r"\s*\d+(_\d+)*\s*", text):
         n = int(text)
     else:
-        raise ValueError(f"{flag} takes {form}, got {text!r}")
+        raise UsageError(f"{flag} takes {form}, got {text!r}")
     if n < 1:
-        raise ValueError(f"{flag} takes {form}, got {text!r} (must be at least 1)")
+        raise UsageError(f"{flag} takes {form}, got {text!r} (must be at least 1)")
     return n
 
 

@@ -31,12 +31,15 @@ from typing import TYPE_CHECKING, Any
 from . import catalog
 from ._crash import crashpoint
 from .errors import (
+    ArgumentTypeError,
     ConfigConflictError,
     CorruptRepoError,
     IntegrityError,
     InvalidNameError,
     LuopanError,
+    ReplicationError,
     StorageError,
+    UsageError,
 )
 from .format import BASE_FORMAT_VERSION
 from .format.canonical import SealError, seal, sealed_checksum, unseal, unseal_file
@@ -61,10 +64,6 @@ UPLOAD_PART = 5 << 20  # object-store uploads of larger packs go in parts of thi
 BACKOFF_INITIAL = 0.5  # seconds before the first retry of a failed copy; doubles up to BACKOFF_MAX
 BACKOFF_MAX = 60.0
 CLOSE_TIMEOUT = 30.0  # how long Repo.close() waits for the copy in progress before leaving it pending
-
-
-class ReplicationError(LuopanError):
-    """A checkpoint could not be replicated (or verified on the other tier)."""
 
 
 def pending_key(run: str, step: int) -> str:
@@ -108,7 +107,7 @@ class TieredStore(Store):
 
     def __init__(self, local: Store, remote: Store | None, cold: Store | None = None) -> None:
         if isinstance(local, TieredStore):
-            raise ValueError("the local tier of a TieredStore cannot itself be tiered")
+            raise UsageError("the local tier of a TieredStore cannot itself be tiered")
         self.local = local
         self.remote = remote
         self.cold = cold
@@ -455,7 +454,7 @@ class ColdPolicy:
 
         if isinstance(self.older_than, (int, float)) and not isinstance(self.older_than, bool):
             if not self.older_than > 0:
-                raise ValueError(f"ColdPolicy.older_than must be > 0, got {self.older_than!r}")
+                raise UsageError(f"ColdPolicy.older_than must be > 0, got {self.older_than!r}")
             return float(self.older_than)
         return parse_duration(self.older_than)
 
@@ -957,7 +956,7 @@ def setup(location: Store, *, replicate_to: Any, local_retention: Any, cold: Col
             rules = local_retention if isinstance(local_retention, RetentionRule) else Retention(
                 *_rule_list(local_retention))
             if isinstance(rules, Retention) and not rules.rules:
-                raise ValueError("no rule given")
+                raise UsageError("no rule given")
         except (TypeError, ValueError) as exc:
             raise InvalidNameError(
                 f"local_retention must be luopan.retention rules, e.g. KeepLast(2) | KeepBest(1, 'loss'): {exc}"
@@ -981,7 +980,7 @@ def setup(location: Store, *, replicate_to: Any, local_retention: Any, cold: Col
         cold = ColdPolicy(c["url"], c.get("older_than", "7d"))
     elif cold is not None:
         if not isinstance(cold, ColdPolicy):
-            raise TypeError(f"cold must be a luopan.ColdPolicy, got {type(cold).__name__}")
+            raise ArgumentTypeError(f"cold must be a luopan.ColdPolicy, got {type(cold).__name__}")
         cold.seconds  # noqa: B018 - validates the threshold now
         if isinstance(cold.url, str):
             settings["cold"] = {"url": cold.url, "older_than": cold.older_than}

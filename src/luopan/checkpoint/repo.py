@@ -34,6 +34,7 @@ from ..errors import (
     UnreadableError,
     UnsupportedFormatError,
     UnsupportedValueError,
+    UsageError,
 )
 from ..format.canonical import canonical, json_culprit
 from ..format.config import CONFIG_KEY, Compression, RepoConfig
@@ -121,10 +122,10 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     if sys.byteorder != "little":  # docs/format.md §5: entries are stored little-endian, as in host memory
         raise LuopanError("luopan repositories are little-endian; this big-endian host cannot read or write them")
     if lock_timeout is not None and not (_is_number(lock_timeout) and lock_timeout >= 0):
-        raise ValueError(f"lock_timeout must be a number of seconds >= 0 (or None to wait forever), got "
+        raise UsageError(f"lock_timeout must be a number of seconds >= 0 (or None to wait forever), got "
                          f"{lock_timeout!r}")
     if not (_is_number(space_margin) and 0 <= space_margin < math.inf):
-        raise ValueError(f"space_margin must be a finite number >= 0 (0 turns the free-space check off), got "
+        raise UsageError(f"space_margin must be a finite number >= 0 (0 turns the free-space check off), got "
                          f"{space_margin!r}")
     store = open_store(location, **(storage_options or {}) if _is_object_url(location) else {})
     _check_local_root(store, create)
@@ -134,7 +135,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
                           storage_options=storage_options)
     tiers = [] if tiering is None else [t for t in (tiering.store.remote, tiering.store.cold) if t is not None]
     if storage_options and not _is_object_url(location) and not any(isinstance(t, FsspecStore) for t in tiers):
-        raise ValueError(f"storage_options apply to object-store URLs (s3://…), and neither {location!r} nor a "
+        raise UsageError(f"storage_options apply to object-store URLs (s3://…), and neither {location!r} nor a "
                          "replicate_to/cold URL (given or recorded) is one")
     try:
         config = RepoConfig.from_bytes(store.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES), _where(store))
@@ -807,7 +808,7 @@ class Repo:
         self._drain()
         check_run(run)
         if missing_metrics not in ("error", "ignore"):
-            raise ValueError(f"missing_metrics must be 'error' or 'ignore', got {missing_metrics!r}")
+            raise UsageError(f"missing_metrics must be 'error' or 'ignore', got {missing_metrics!r}")
         if dry_run:
             return self._prune_locked(run, rules, True, missing_metrics)
         with locked(self.store, "exclusive", f"prune of {run}", timeout=self.lock_timeout, where=_where(self.store)):

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import CorruptManifestError, UnsupportedValueError
+from ..errors import CorruptManifestError, UnsupportedValueError, UsageError
 from ..tree import Leaf
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -49,9 +49,9 @@ class DeltaPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_bytes, int) or self.min_bytes < 1:
-            raise ValueError(f"DeltaPolicy.min_bytes must be a positive int, got {self.min_bytes!r}")
+            raise UsageError(f"DeltaPolicy.min_bytes must be a positive int, got {self.min_bytes!r}")
         if not (isinstance(self.rebase_fraction, (int, float)) and 0 < self.rebase_fraction < 1):
-            raise ValueError(f"DeltaPolicy.rebase_fraction must be between 0 and 1, got {self.rebase_fraction!r}")
+            raise UsageError(f"DeltaPolicy.rebase_fraction must be between 0 and 1, got {self.rebase_fraction!r}")
 
     def eligible(self, leaf: Leaf) -> bool:
         return (self.enabled and leaf.alias_of is None and not leaf.scalar and len(leaf.shape) >= 2

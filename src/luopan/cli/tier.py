@@ -2,7 +2,7 @@
 
 A tiered repository records its remote (and cold policy) in ``<repo>/tier/config.json``, so every command opens it
 as tiered without flags: ``luopan ls -r ckpts RUN`` shows each checkpoint's tier, ``luopan show``/``export`` read
-evicted checkpoints from the remote. Registered on the main app by luopan.cli.main.
+evicted checkpoints from the remote. Registered on the app by importing this module (luopan.cli.main does).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import typer
 from ..checkpoint.repo import open as repo_open
 from ..retention import KeepLast, parse_duration, parse_keep_last
 from ..tier import ColdPolicy
-from .main import RepoOpt, _emit_json, _handles_errors, app, err, out
+from .app import RepoOpt, app, emit_json, err, handles_errors, out, repo_location
 
 
 @app.command()
-@_handles_errors
+@handles_errors
 def replicate(
-    repo: RepoOpt,
+    *,
+    repo: RepoOpt = None,
     to: Annotated[Optional[str], typer.Option(
         "--to", help="Remote URL or path to replicate to (recorded in the repository; needed the first time).")] = None,
     keep_local: Annotated[Optional[str], typer.Option(
@@ -31,6 +32,7 @@ def replicate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
 ) -> None:
     """Replicate every local checkpoint the remote lacks (resuming interrupted replication) and wait for it."""
+    repo = repo_location(repo)
     try:
         rules: KeepLast | None = parse_keep_last(keep_local) if keep_local is not None else None
     except ValueError as exc:
@@ -50,7 +52,7 @@ def replicate(
     finally:
         r.close()
     if as_json:
-        _emit_json({"remote": r.tier.url, "done": done, "runs": {k: {str(s): v for s, v in st.items()}
+        emit_json({"remote": r.tier.url, "done": done, "runs": {k: {str(s): v for s, v in st.items()}
                                                                    for k, st in status.items()}})
     else:
         for run, st in status.items():
@@ -65,9 +67,10 @@ def replicate(
 
 
 @app.command()
-@_handles_errors
+@handles_errors
 def cold(
-    repo: RepoOpt,
+    *,
+    repo: RepoOpt = None,
     to: Annotated[Optional[str], typer.Option(
         "--to", help="Cold store URL or path (recorded in the repository; needed the first time).")] = None,
     older_than: Annotated[Optional[str], typer.Option(
@@ -77,6 +80,7 @@ def cold(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Move checkpoints that are not pinned, already replicated and older than a threshold to the cold store."""
+    repo = repo_location(repo)
     if older_than is not None:
         try:
             parse_duration(older_than)
@@ -96,7 +100,7 @@ def cold(
     finally:
         r.close()
     if as_json:
-        _emit_json({"dry_run": dry_run, "moved": [{"run": a, "step": s} for a, s in moved]})
+        emit_json({"dry_run": dry_run, "moved": [{"run": a, "step": s} for a, s in moved]})
         return
     verb = "would move" if dry_run else "moved"
     out.print(f"{verb} {len(moved)} checkpoint(s) to {r.tier.cold.url}"

@@ -1,0 +1,187 @@
+"""The ``luopan`` Typer app and what every command shares: consoles, the repository option (``-r`` before or after
+the command, or ``LUOPAN_REPO``), the one table from error classes to exit codes, output helpers.
+
+Exit codes: 0 ok, 1 error, 2 usage, 3 damaged data, 4 not found, 5 repository newer than this luopan.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Annotated, Any, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..checkpoint.repo import Repo, open as repo_open
+from ..errors import (
+    CheckpointNotFoundError,
+    GcError,
+    IntegrityError,
+    LuopanError,
+    RepoNotFoundError,
+    UnsupportedFormatError,
+    UsageError,
+)
+from ..format import FORMAT_VERSION
+
+app = typer.Typer(
+    name="luopan",
+    help="luopan (落盘): atomic, verified, incremental checkpoints for AI runs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+RepoOpt = Annotated[
+    Optional[str],
+    typer.Option("--repo", "-r", help="Repository path or URL (also accepted before the command, or set "
+                                      "LUOPAN_REPO)."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+
+# The one table from error classes to exit codes, most specific first (luopan --help lists the codes).
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (UsageError, 2),
+    (GcError, 3),
+    (IntegrityError, 3),
+    (RepoNotFoundError, 4),
+    (CheckpointNotFoundError, 4),
+    (UnsupportedFormatError, 5),
+    (LuopanError, 1),
+    (OSError, 1),
+)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The CLI's exit code for an error (1 for anything the table does not name)."""
+    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), 1)
+
+
+_root_repo: str | None = None  # set by the root callback from `luopan -r REPO COMMAND` or LUOPAN_REPO
+
+
+def repo_location(repo: str | None) -> str:
+    """The repository a command works on: its own ``-r``, else the one given before the command, else
+    ``LUOPAN_REPO``. A usage error (exit 2) when there is none."""
+    location = repo if repo is not None else _root_repo
+    if not location:
+        raise UsageError("no repository given: pass -r REPO (before or after the command) or set LUOPAN_REPO")
+    return location
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handles_errors(fn: F) -> F:
+    """Print a luopan (or system) error as one ``error:`` line and exit with its code from EXIT_CODES."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (LuopanError, OSError) as exc:  # OSError: a system error no luopan type names (writing an output)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True)
+            raise typer.Exit(exit_code_for(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def open_repo(repo: str, **options: Any) -> Repo:
+    """An existing repository; a tiered one reads through its tiers but replicates nothing from the CLI."""
+    return repo_open(repo, create=False, replicate=False, **options)
+
+
+def not_found(msg: str) -> int:
+    err.print(f"[bold red]error:[/] {escape(msg)}")
+    return 4
+
+
+def report_strays(r: Repo, run: str | None = None) -> None:
+    """A line on stderr when the repository holds entries that are not luopan's (skipped by every command), and one
+    when part of it cannot be read (a dangling link, an unreadable directory: checkpoints there are not seen)."""
+    strays = r.strays(run)
+    for unreadable, what in ((True, "cannot be read (checkpoints there are not listed, and gc will not run)"),
+                             (False, "are not luopan's and were skipped")):
+        group = [s for s in strays if s.unreadable == unreadable]
+        if group:
+            shown = "; ".join(str(s) for s in group[:3]) + (f"; … {len(group) - 3} more" if len(group) > 3 else "")
+            err.print(f"[yellow]note:[/] {len(group)} entr{'y' if len(group) == 1 else 'ies'} {what}: "
+                      f"{escape(shown)} (`luopan verify` lists them)", highlight=False)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def ratio(x: float) -> str:
+    return "∞" if math.isinf(x) else f"{x:.1f}×"
+
+
+def json_ratio(x: float) -> float | None:
+    return None if math.isinf(x) else round(x, 4)
+
+
+def metrics_text(m: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float):
+        return None
+    raise TypeError(type(o).__name__)
+
+
+def json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [json_safe(x) for x in v]
+    return v
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        out.print(f"luopan {__version__} (reads repository formats 1-{FORMAT_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    repo: Annotated[Optional[str], typer.Option(
+        "--repo", "-r", envvar="LUOPAN_REPO", show_envvar=True,
+        help="Repository path or URL for the command that follows (restic/borg style: luopan -r REPO ls).")] = None,
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """luopan (落盘): atomic, verified, incremental checkpoints for AI runs.
+
+    Exit codes: 0 ok, 1 error, 2 usage, 3 damaged data, 4 not found, 5 repository newer than this luopan.
+    """
+    global _root_repo
+    _root_repo = repo
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """Warnings as one line on stderr (``warning: …``), not Python's two-line form with a source line."""
+    err.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False)

@@ -1,0 +1,219 @@
+"""``luopan init``, ``prune``, ``pin``/``unpin``, ``gc``, ``locks`` and ``unlock``: creating and maintaining a repository."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ..checkpoint.repo import init as repo_init
+from ..errors import LuopanError
+from .app import JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, not_found, open_repo, out, \
+    repo_location, report_strays
+
+@app.command()
+@handles_errors
+def init(
+    *,
+    repo: RepoOpt = None,
+    compression: Annotated[str, typer.Option(help="Blob compression: none, zstd or zstd:LEVEL.")] = "none",
+    chunk_size: Annotated[Optional[int], typer.Option(help="Chunk size in bytes (default 4 MiB).")] = None,
+    pack_size: Annotated[Optional[int], typer.Option(help="Target pack size in bytes (default 64 MiB).")] = None,
+) -> None:
+    """Create a new, empty repository."""
+    repo = repo_location(repo)
+    r = repo_init(repo, compression=compression, chunk_size=chunk_size, pack_size=pack_size)
+    c = r.config
+    out.print(f"created luopan repository at [bold]{r.store.describe()}[/] "
+              f"(format {c.format_version}, chunks {human(c.chunk_size)}, packs {human(c.pack_size)}, "
+              f"compression {c.compression.codec})")
+
+
+@app.command()
+@handles_errors
+def prune(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[str, typer.Argument(help="Run to prune.")],
+    keep_last: Annotated[Optional[str], typer.Option("--keep-last", metavar="N",
+                                                     help="Keep the N newest checkpoints.")] = None,
+    keep_best: Annotated[list[str], typer.Option("--keep-best", metavar="N:METRIC[:min|max]",
+                                                 help="Keep the N best by a metric (repeatable), e.g. 3:loss:min.")] = [],  # noqa: B006
+    keep_every: Annotated[list[str], typer.Option("--keep-every", metavar="DURATION",
+                                                  help="Keep the newest checkpoint of each period, e.g. 24h, 7d "
+                                                       "(UTC-aligned buckets; repeatable).")] = [],  # noqa: B006
+    keep_every_steps: Annotated[list[str], typer.Option("--keep-every-steps", metavar="N",
+                                                        help="Keep the newest checkpoint of each N steps.")] = [],  # noqa: B006
+    keep_tag: Annotated[list[str], typer.Option("--keep-tag", metavar="TAG",
+                                                help="Keep checkpoints pinned with this tag (repeatable).")] = [],  # noqa: B006
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove checkpoints a retention policy does not keep. The newest and pinned checkpoints always stay.
+
+    Categories are separate, each with its own count (restic-style): a checkpoint stays if any rule keeps it.
+    Removing deletes manifests only; run `luopan gc` to free the space of data nothing references any more.
+    """
+    repo = repo_location(repo)
+    from ..retention import rules_from_flags
+
+    try:
+        rules = rules_from_flags(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
+                                 keep_every_steps=keep_every_steps, keep_tag=keep_tag)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        decided = open_repo(repo).prune(run, rules, dry_run=dry_run)
+    except ValueError as exc:
+        if isinstance(exc, LuopanError):
+            raise
+        raise typer.BadParameter(str(exc)) from None
+    if as_json:
+        emit_json({"run": run, "dry_run": dry_run, "keep": {str(k): v for k, v in decided.keep.items()},
+                    "remove": decided.remove})
+        return
+    for line in decided.describe():
+        out.print(line, highlight=False)
+    if dry_run:
+        out.print("dry run: nothing removed")
+
+
+@app.command()
+@handles_errors
+def pin(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step: Annotated[int, typer.Argument(help="Step of the checkpoint to protect.")],
+    tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
+) -> None:
+    """Protect a checkpoint: `luopan prune` never removes a pinned checkpoint."""
+    repo = repo_location(repo)
+    open_repo(repo).run(run).pin(step, tag)
+    out.print(f"pinned {run} step {step}" + (f" as {tag!r}" if tag else ""))
+
+
+@app.command()
+@handles_errors
+def unpin(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step: Annotated[int, typer.Argument(help="Step to unpin.")],
+) -> None:
+    """Remove a checkpoint's pin (the checkpoint itself stays until a prune removes it)."""
+    repo = repo_location(repo)
+    if open_repo(repo).run(run).unpin(step):
+        out.print(f"unpinned {run} step {step}")
+    else:
+        raise typer.Exit(not_found(f"run {run!r} step {step} is not pinned"))
+
+
+def _grace(text: str) -> float:
+    from ..retention import parse_duration
+
+    zero = text.strip().lower().rstrip("smhdw")
+    try:
+        if zero and float(zero) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@app.command()
+@handles_errors
+def gc(
+    *,
+    repo: RepoOpt = None,
+    grace: Annotated[str, typer.Option("--grace", metavar="DURATION",
+                                       help="How long unreferenced data is kept condemned before it is deleted "
+                                            "(e.g. 1h, 30m; 0 deletes in this run: only when nothing else is "
+                                            "reading the repository).")] = "1h",
+    repack_below: Annotated[float, typer.Option("--repack-below", min=0.0, max=1.0, metavar="FRACTION",
+                                                help="Rewrite packs whose live data fills less than this fraction "
+                                                     "(0 disables repacking).")] = 0.5,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what gc would do; change nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Free the space of data no checkpoint references (after `luopan prune`), and repack mostly-dead packs.
+
+    Two-phase, like restic prune: unreferenced packs are first condemned, then deleted by a later gc run once the
+    grace period has passed and they are still unreferenced (so a process reading an old checkpoint is not cut
+    off). Takes the repository's exclusive lock: saves wait for gc to finish. Safe to interrupt at any point.
+    """
+    repo = repo_location(repo)
+    seconds = _grace(grace)
+    r = open_repo(repo)
+    report_strays(r)
+    if as_json:
+        rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run)
+        emit_json(rep.to_json())
+        return
+    with err.status("gc: marking") as status:
+        rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run,
+                   progress=lambda msg: status.update(f"gc: {msg}"))
+    would = "would " if dry_run else ""
+    out.print(f"{rep.manifests} checkpoint(s) reference {rep.live_packs} of {rep.packs} pack(s) "
+              f"({human(rep.live_bytes)} live of {human(rep.pack_bytes)})", highlight=False)
+    if rep.stray_manifests:
+        out.print(f"{rep.stray_manifests} manifest(s) in run directories that are not luopan's (see `luopan verify`): "
+                  "the data they name is kept", highlight=False)
+    if rep.repacked_packs:
+        out.print(f"{would}repack {rep.repacked_packs} pack(s) ({human(rep.repacked_bytes)}): copied "
+                  f"{human(rep.copied_bytes)} live data, rewrote {rep.manifests_rewritten} manifest(s)",
+                  highlight=False)
+    out.print(f"{would}delete {rep.deleted_packs} pack(s), freeing {human(rep.deleted_bytes)}", highlight=False)
+    if rep.condemned_packs:
+        from datetime import datetime, timezone
+
+        when = datetime.fromtimestamp(rep.next_sweep_after or 0, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        out.print(f"{rep.condemned_packs} unreferenced pack(s) ({human(rep.condemned_bytes)}) {would}wait for the "
+                  f"grace period: a gc run after {when} deletes them (or --grace 0 when nothing else reads the "
+                  "repository)", highlight=False)
+    if rep.young_packs:
+        out.print(f"{rep.young_packs} unreferenced pack(s) younger than the grace period left alone (a save may "
+                  "be writing them)", highlight=False)
+    for skipped in rep.skipped_repacks:
+        out.print(f"[yellow]not repacked[/] (damaged; run `luopan verify`): {skipped}", highlight=False)
+    if dry_run:
+        out.print("dry run: nothing changed")
+
+
+@app.command()
+@handles_errors
+def locks(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
+    """List the repository's locks: saves hold shared ones, prune and gc an exclusive one."""
+    repo = repo_location(repo)
+    from ..locks import list_locks
+
+    recs = list_locks(open_repo(repo).store)
+    if as_json:
+        emit_json([r.to_json() for r in recs])
+        return
+    if not recs:
+        out.print("no locks")
+    for rec in recs:
+        reason = rec.stale_reason()
+        out.print(rec.describe() + (f" [yellow](stale: {reason})[/]" if reason else ""), highlight=False)
+
+
+@app.command()
+@handles_errors
+def unlock(
+    *,
+    repo: RepoOpt = None,
+    remove_all: Annotated[bool, typer.Option("--all", help="Remove every lock, not only stale ones: only when you "
+                                                           "know no luopan process uses the repository.")] = False,
+) -> None:
+    """Remove stale locks (their process is gone, or they were not refreshed for 30 min)."""
+    repo = repo_location(repo)
+    from ..locks import break_locks
+
+    removed = break_locks(open_repo(repo).store, stale_only=not remove_all)
+    for rec in removed:
+        out.print(f"removed {rec.describe()}", highlight=False)
+    out.print(f"{len(removed)} lock(s) removed")

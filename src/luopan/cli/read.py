@@ -1,0 +1,68 @@
+"""``luopan verify`` and ``export``: reading every byte back, checked."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ..errors import IntegrityError
+from .app import RepoOpt, app, err, escape, handles_errors, human, open_repo, out, repo_location
+
+@app.command()
+@handles_errors
+def verify(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[Optional[str], typer.Argument(help="Run to verify; all runs when omitted.")] = None,
+    step: Annotated[Optional[int], typer.Argument(help="Step to verify; all steps of RUN when omitted.")] = None,
+) -> None:
+    """Read every byte of the selected checkpoints and check every hash. Exit 3 and name the damage if any."""
+    repo = repo_location(repo)
+    r = open_repo(repo)
+    with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("verify", total=None)
+        try:
+            report = r.verify(run, step, progress=lambda n: bar.advance(task, n),
+                              on_total=lambda n: bar.update(task, total=n))
+        except IntegrityError as exc:
+            bar.stop()
+            problems = getattr(exc, "problems", [exc])
+            report = getattr(exc, "report", None)
+            for s in (report.strays if report is not None else []):
+                err.print(f"[yellow]not luopan's[/] (skipped) {escape(str(s))}", highlight=False)
+            for p in problems:
+                err.print(f"[bold red]DAMAGED[/] {escape(str(p))}", highlight=False)
+            err.print(f"[bold red]{len(problems)} problem(s) found[/]; undamaged checkpoints stay loadable "
+                      "(run `luopan verify RUN STEP` to check one)")
+            raise typer.Exit(3) from None
+    for s in report.strays:
+        err.print(f"[yellow]not luopan's[/] (skipped) {escape(str(s))}", highlight=False)
+    out.print(f"[green]ok[/]: {report.checkpoints} checkpoint(s), {report.chunks} chunks, "
+              f"{human(report.bytes)} read and verified"
+              + (f"; {len(report.strays)} entr{'y' if len(report.strays) == 1 else 'ies'} that "
+                 f"{'is' if len(report.strays) == 1 else 'are'} not luopan's skipped" if report.strays else ""))
+
+
+@app.command()
+@handles_errors
+def export(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
+    output: Annotated[str, typer.Option("--output", "-o", help="safetensors file to write.")] = "model.safetensors",
+    subtree: Annotated[Optional[str], typer.Option(help="Export only the tensors under this key path, e.g. model.")]
+    = None,
+) -> None:
+    """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file."""
+    repo = repo_location(repo)
+    r = open_repo(repo)
+    m = r.manifest(run, step)
+    with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("export", total=m.stats["logical_bytes"])
+        info = r.export(run, output, m.step, subtree=subtree, progress=lambda n: bar.advance(task, n))
+    out.print(f"wrote {info['tensors']} tensors ({human(info['bytes'])}) of {run} step {m.step} to {info['path']}")
