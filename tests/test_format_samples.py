@@ -1,0 +1,158 @@
+"""Every sample JSON in docs/format.md is checked by the parser (or schema) that reads that kind of file, so the spec
+cannot drift from the code again.
+
+Samples abbreviate digests with "…" ("a3f1…", "blake3:…"): the test expands each to a well-formed value (hex padded
+to its length, free text without the ellipsis), seals the sample again where it is sealed, and hands it to luopan's
+own reader. A sample the test cannot attribute to a reader fails the test: a new sample must be wired in here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Any
+
+import pytest
+
+from luopan.checkpoint.runrecord import parse_eval, parse_pin, parse_record
+from luopan.format.canonical import canonical, seal, unseal_file
+from luopan.format.config import RepoConfig
+from luopan.format.index import parse_index
+from luopan.format.manifest import _validator, parse_manifest
+from luopan.format.pack import HEADER, TRAILER_MAGIC, parse_trailer
+from luopan.format.refs import parse_ref
+from luopan.gc import parse_condemned
+from luopan.locks import parse_lock
+from luopan.tier import parse_tier_config
+
+from .conftest import ROOT
+
+SPEC = os.path.join(ROOT, "docs", "format.md")
+HEX = set("0123456789abcdef")
+
+
+def samples() -> list[tuple[str, str]]:
+    """(section heading, JSON text) of every ```json block of the spec."""
+    text = open(SPEC, encoding="utf-8").read()
+    out = []
+    for m in re.finditer(r"^[ ]*```json\n(.*?)^[ ]*```", text, re.S | re.M):
+        heading = re.findall(r"^#+ .*$", text[: m.start()], re.M)[-1]
+        out.append((heading, m.group(1)))
+    return out
+
+
+def expand(value: Any, *, width: int = 64) -> Any:
+    """The sample with every "…" placeholder made well-formed."""
+    if isinstance(value, str):
+        if "…" not in value:
+            return value
+        if value.startswith("blake3:"):
+            return "blake3:" + "0" * 64
+        head = value.split("…", 1)[0]
+        if set(head) <= HEX:
+            return head + "0" * (width - len(head))
+        return value.replace("…", "")
+    if isinstance(value, list):
+        if len(value) == 7 and isinstance(value[0], str):  # a manifest chunk row: its xxh3-128 is 32 hex digits
+            return [expand(v) for v in value[:6]] + [expand(value[6], width=32)]
+        return [expand(v) for v in value]
+    if isinstance(value, dict):
+        return {expand(k): expand(v) for k, v in value.items()}
+    return value
+
+
+def sealed(doc: dict[str, Any]) -> bytes:
+    return seal({k: v for k, v in doc.items() if k != "checksum"})
+
+
+def check_manifest(doc: dict[str, Any]) -> None:
+    m = parse_manifest(sealed(doc), "runs/run-a/ckpt/00000100.json", "run-a", 100)
+    assert m.entries and m.tree
+
+
+def check_delta_entry(entry: dict[str, Any]) -> None:
+    """The §5.2 row-delta entry (abbreviated: one base chunk shown) against the manifest schema."""
+    doc = json.loads(_sample_of("## 8."))
+    doc = expand(doc)
+    doc.update(format_version=2, entries=[entry], tree={"entry": 0})
+    doc.pop("checksum")
+    _validator()(doc)
+
+
+def check_pack(trailer: dict[str, Any]) -> None:
+    blob = trailer["blobs"][0]
+    body = bytes(blob["length"])
+    t = canonical(trailer)
+    data = HEADER + body + t + struct.pack("<Q", len(t)) + TRAILER_MAGIC
+    _pid, blobs = parse_trailer(data[:16], data[-(len(t) + 12):], len(data))
+    assert blobs == trailer["blobs"]
+
+
+def check_tier_record(doc: dict[str, Any], members: dict[str, type | tuple[type, ...]]) -> None:
+    got = unseal_file(sealed(doc), "tier record")
+    for name, types in members.items():
+        assert isinstance(got.get(name), types), (name, got)
+
+
+def _sample_of(prefix: str) -> str:
+    return next(text for heading, text in samples() if heading.startswith(prefix))
+
+
+def reader(heading: str, doc: dict[str, Any]) -> Any:
+    """The check for a sample, from its section and members."""
+    if heading.startswith("## 3."):
+        return lambda d: RepoConfig.from_bytes(sealed(d), "luopan.json")
+    if heading.startswith("### 5.2"):
+        return check_delta_entry
+    if heading.startswith("## 6."):
+        return check_pack
+    if heading.startswith("## 7."):
+        return lambda d: parse_index(sealed(d), "index/x.json")
+    if heading.startswith("## 8."):
+        return check_manifest
+    if heading.startswith("### 8.1"):
+        if "argv" in doc:
+            return lambda d: parse_record(sealed(d), "runs/run-a/record.json", "run-a")
+        if "samples" in doc:
+            return lambda d: parse_eval(sealed(d), "runs/run-a/evals/00000100.json", "run-a", 100)
+    if heading.startswith("## 9."):
+        return lambda d: parse_ref(sealed(d), "refs/runs/run-a/latest.json")
+    if heading.startswith("### 9.1"):
+        return lambda d: parse_pin(sealed(d), "refs/pins/run-a/00000100.json", "run-a", 100)
+    if heading.startswith("### 9.2"):
+        return lambda d: parse_lock("locks/shared-0123456789abcdef.json", sealed(d))
+    if heading.startswith("### 10.2"):
+        if "replicate_to" in doc or "cold" in doc and isinstance(doc["cold"], dict):
+            return lambda d: parse_tier_config(sealed(d), "tier/config.json")
+        if "replicating_pid" in doc or "started" in doc:
+            return lambda d: check_tier_record(d, {"run": str, "step": int, "created": str, "replicating_pid": int})
+        if "manifest_checksum" in doc:
+            return lambda d: check_tier_record(d, {"run": str, "step": int, "manifest_checksum": str,
+                                                   "remote": str, "replicated": str})
+        if "moved" in doc:
+            return lambda d: check_tier_record(d, {"run": str, "step": int, "moved": str, "cold": str})
+    if heading.startswith("### 10.3"):
+        return lambda d: parse_condemned(sealed(d))
+    return None
+
+
+SAMPLES = samples()
+
+
+def test_the_spec_has_a_sample_of_every_file():
+    headings = [h for h, _t in SAMPLES]
+    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "## 9.", "### 9.1", "### 9.2",
+                    "### 10.2", "### 10.3"):
+        assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
+    assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval
+    assert sum(h.startswith("### 10.2") for h in headings) == 4  # tier config, pending, replicated, cold
+
+
+@pytest.mark.parametrize("heading,text", SAMPLES, ids=[f"{i}:{h[:40]}" for i, (h, _t) in enumerate(SAMPLES)])
+def test_every_sample_is_read_by_its_parser(heading, text):
+    doc = json.loads(text)  # a sample is valid JSON
+    check = reader(heading, doc)
+    assert check is not None, f"no reader for the sample in {heading!r}: wire it into tests/test_format_samples.py"
+    check(expand(doc))
