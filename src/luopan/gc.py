@@ -50,7 +50,9 @@ from .format import BASE_FORMAT_VERSION
 from .format.canonical import SealError, canonical, seal, sealed_checksum, unseal
 from .format.index import build_index, parse_index
 from .format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, MAX_SMALL_BYTES
-from .format.manifest import Manifest, parse_manifest, seal_manifest, stored_rows
+from .format.manifest import Manifest, Row, parse_manifest, rows_of, seal_manifest, stored_rows
+
+_PACK, _OFFSET, _CODEC = (Row._fields.index(f) for f in ("pack", "offset", "codec"))
 from .format.names import index_key, is_hex64, is_index_key, is_pack_key, latest_ref_key, manifest_key, pack_key
 from .format.refs import build_ref, parse_ref
 from .format.pack import HEADER_SIZE, PackBuilder
@@ -101,8 +103,8 @@ def _rows_by_pack(m: Manifest) -> dict[str, dict[str, tuple[int, int, int, str]]
     packs = m.doc["packs"]
     out: dict[str, dict[str, tuple[int, int, int, str]]] = {}
     for e in m.entries:
-        for h, p, off, length, size, codec, _x in stored_rows(e):
-            out.setdefault(packs[p], {})[h] = (off, length, size, codec)
+        for r in rows_of(e):
+            out.setdefault(packs[r.pack], {})[r.hash] = (r.offset, r.length, r.size, r.codec)
     return out
 
 
@@ -482,19 +484,20 @@ def _repack(store: Store, pack_size: int, sparse: list[str], live: dict[str, dic
 def _relocated(doc: dict[str, Any], moved: dict[tuple[str, str], tuple[str, int, int, int, str]]) -> dict | None:
     """A copy of manifest ``doc`` with rows in moved packs pointing at their new locations (None if none moved)."""
     old_packs = doc["packs"]
-    if not any((old_packs[r[1]], r[0]) in moved for e in doc["entries"] for r in stored_rows(e)):
+    if not any((old_packs[r.pack], r.hash) in moved for e in doc["entries"] for r in rows_of(e)):
         return None
     new = _deep_copy(doc)
     packs: dict[str, int] = {}
     for e in new["entries"]:
-        for r in stored_rows(e):
-            loc = moved.get((old_packs[r[1]], r[0]))
+        for raw in stored_rows(e):  # updated in place: the positions of Row's fields
+            r = Row._make(raw)
+            loc = moved.get((old_packs[r.pack], r.hash))
             if loc is None:
-                r[1] = packs.setdefault(old_packs[r[1]], len(packs))
+                raw[_PACK] = packs.setdefault(old_packs[r.pack], len(packs))
             else:
                 pack_id, off, length, size, codec = loc
-                r[1] = packs.setdefault(pack_id, len(packs))
-                r[2], r[3], r[4], r[5] = off, length, size, codec
+                raw[_PACK] = packs.setdefault(pack_id, len(packs))
+                raw[_OFFSET:_CODEC + 1] = [off, length, size, codec]
     new["packs"] = list(packs)
     return new
 

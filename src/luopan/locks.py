@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from ._process import pid_alive
 from .errors import IntegrityError, LockedError, StorageError, UnsupportedFormatError, UsageError
 from .format import BASE_FORMAT_VERSION, refuse_newer
 from .format.canonical import SealError, parse_object, seal, verify_seal
@@ -126,12 +127,8 @@ class LockRecord:
             return bool(self.boot) and bool(self.machine) and self.machine == _machine_id()
         if self.pidns != _pidns():  # same kernel (boot id), another pid namespace: its pids mean nothing here
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(self.pid):
             return True
-        except PermissionError:
-            pass
         return self.started is not None and _start_time(self.pid) not in (None, self.started)
 
     def stale_reason(self) -> str | None:

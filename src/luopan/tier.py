@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from ._crash import crashpoint
+from ._process import pid_alive
 from .errors import (
     ArgumentTypeError,
     ConfigConflictError,
@@ -49,7 +50,7 @@ from .format.limits import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from .format.manifest import parse_manifest
 from .format.names import check_run, is_index_key, manifest_key, pack_key, step_from_manifest_key
 from .locks import DEFAULT_TIMEOUT, locked
-from .store import Store, open_store
+from .store import Store, is_object_url, open_store
 from .store.base import Data, KeyNotFound, Stray
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -465,7 +466,7 @@ def _open_tier(location: str | os.PathLike[str] | Store, options: dict[str, Any]
     loc = os.fspath(location)
     if not loc:
         raise InvalidNameError(f"{what} must be a path or URL, got an empty string")
-    if options and "://" in loc and loc.split("://", 1)[0] not in ("file", "memory"):
+    if options and is_object_url(loc):
         from .store import FsspecStore
 
         return FsspecStore(loc, **options)
@@ -677,15 +678,7 @@ class Tier:
         except (KeyNotFound, SealError, IntegrityError):
             return False
         pid = doc.get("replicating_pid")
-        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31 or pid == os.getpid():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return pid != os.getpid() and pid_alive(pid)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every queued checkpoint is replicated (True) or ``timeout`` passes (False). Raises

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, LuopanError, OutputPathError, StorageFullError, UnsupportedValueError
-from ..format.manifest import Manifest, stored_rows
+from ..format.manifest import Manifest, rows_of
 from ..store.base import Store
 from .parallel import WORKERS, ordered_map
 from .read import ChunkRef, PendingDelta, check_rows, chunk_refs, delta_jobs, read_chunk, read_chunks
@@ -162,7 +162,7 @@ def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:
     def chunks(m: Manifest, e: dict[str, Any]) -> list[tuple[str, int]]:
         """(hash, size) of the entry's stored parts: chunks, then any row delta's index and values."""
         src = m.entries[e["alias_of"]] if "alias_of" in e else e
-        return [(c[0], c[4]) for c in stored_rows(src)]
+        return [(r.hash, r.size) for r in rows_of(src)]
 
     ea = {e["path"]: e for e in a.entries}
     eb = {e["path"]: e for e in b.entries}

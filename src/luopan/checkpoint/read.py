@@ -14,7 +14,7 @@ import zstandard
 
 from ..errors import CorruptPackError, IntegrityError, MissingPackError, StorageError, UnreadableError
 from ..format.limits import MAX_TRAILER_BYTES
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, Row
 from ..format.names import pack_key
 from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer
 from ..store.base import KeyNotFound, Store
@@ -51,9 +51,9 @@ def chunk_refs(m: Manifest, entry_index: int, part: str | None = None) -> Iterat
     chunks = e.get("chunks", []) if part is None else e["delta"][part]
     path = e["path"] if part is None else f"{e['path']} (row delta {part})"
     pos = 0
-    for n, (h, p, off, length, size, codec, _xxh3) in enumerate(chunks):
-        yield pos, ChunkRef(m.run, m.step, path, n, h, m.packs[p], off, length, size, codec)
-        pos += size
+    for n, r in enumerate(map(Row._make, chunks)):
+        yield pos, ChunkRef(m.run, m.step, path, n, r.hash, m.packs[r.pack], r.offset, r.length, r.size, r.codec)
+        pos += r.size
 
 
 def all_chunk_refs(m: Manifest, entry_index: int) -> Iterator[ChunkRef]:
@@ -109,8 +109,8 @@ def delta_jobs(m: Manifest, entry_index: int) -> tuple[PendingDelta | None, list
     d = m.entries[entry_index].get("delta")
     if d is None:
         return None, []
-    pending = PendingDelta(m, entry_index, memoryview(bytearray(sum(c[4] for c in d["index"]))),
-                           memoryview(bytearray(sum(c[4] for c in d["values"]))))
+    pending = PendingDelta(m, entry_index, memoryview(bytearray(sum(Row._make(c).size for c in d["index"]))),
+                           memoryview(bytearray(sum(Row._make(c).size for c in d["values"]))))
     jobs = [(ref, buf[pos : pos + ref.size]) for part, buf in (("index", pending.index), ("values", pending.values))
             for pos, ref in chunk_refs(m, entry_index, part)]
     return pending, jobs

@@ -40,14 +40,14 @@ from ..format.canonical import canonical, json_culprit
 from ..format.config import CONFIG_KEY, Compression, RepoConfig
 from ..format.index import parse_index
 from ..format.limits import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
-from ..format.manifest import Manifest, encode_metrics, parse_manifest
+from ..format.manifest import Manifest, Row, encode_metrics, parse_manifest
 from ..format.names import check_run, check_step, is_index_key, manifest_key
 from ..format.chunking import chunk_spans
 from ..format.pack import BlobLocation
 from ..locks import DEFAULT_TIMEOUT, locked
 
 DEFAULT_SPACE_MARGIN = 1.5
-from ..store import FsspecStore, MemoryStore, Store, open_store
+from ..store import FsspecStore, MemoryStore, Store, is_object_url, open_store
 from ..store.base import KeyNotFound, Stray
 from ..store.local import TMP_MARK, LocalStore
 from ..tree import Leaf, flatten, new_array, unflatten
@@ -127,14 +127,14 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     if not (_is_number(space_margin) and 0 <= space_margin < math.inf):
         raise UsageError(f"space_margin must be a finite number >= 0 (0 turns the free-space check off), got "
                          f"{space_margin!r}")
-    store = open_store(location, **(storage_options or {}) if _is_object_url(location) else {})
+    store = open_store(location, **(storage_options or {}) if is_object_url(location) else {})
     _check_local_root(store, create)
     from .. import tier as _tier
 
     tiering = _tier.setup(store, replicate_to=replicate_to, local_retention=local_retention, cold=cold,
                           storage_options=storage_options)
     tiers = [] if tiering is None else [t for t in (tiering.store.remote, tiering.store.cold) if t is not None]
-    if storage_options and not _is_object_url(location) and not any(isinstance(t, FsspecStore) for t in tiers):
+    if storage_options and not is_object_url(location) and not any(isinstance(t, FsspecStore) for t in tiers):
         raise UsageError(f"storage_options apply to object-store URLs (s3://…), and neither {location!r} nor a "
                          "replicate_to/cold URL (given or recorded) is one")
     try:
@@ -184,13 +184,6 @@ def _is_number(x: Any) -> bool:
     import numbers
 
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
-
-
-def _is_object_url(location: Any) -> bool:
-    from ..store.fsspec_store import OBJECT_STORE_SCHEMES
-
-    return isinstance(location, str) and "://" in location and location.split("://", 1)[0].lower() in \
-        OBJECT_STORE_SCHEMES
 
 
 def init(location: str | os.PathLike[str] | Store, **options: Any) -> Repo:
@@ -487,8 +480,8 @@ class Repo:
             data = leaf.host_bytes()
             changed = 0
             for k, (off, length) in enumerate(chunk_spans(leaf.nbytes, leaf.shape, self.config.chunk_size)[1]):
-                row = rows[k] if k < len(rows) else None
-                if row is None or row[4] != length or row[6] != xxhash.xxh3_128_hexdigest(data[off:off + length]):
+                row = Row._make(rows[k]) if k < len(rows) else None
+                if row is None or row.size != length or row.xxh3 != xxhash.xxh3_128_hexdigest(data[off:off + length]):
                     changed += length
             if "delta" in prev:  # rows of a row delta's *base*: a sparse change touches most of them, but the save
                 changed = min(changed, int(self.delta_policy.rebase_fraction * leaf.nbytes))  # writes only rows

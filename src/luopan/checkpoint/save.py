@@ -23,7 +23,7 @@ from ..format.chunking import chunk_spans
 from ..format.config import RepoConfig
 from ..format.index import build_index
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.manifest import encode_metrics, seal_manifest, stored_rows, structure_fingerprint
+from ..format.manifest import Row, encode_metrics, rows_of, seal_manifest, structure_fingerprint
 from ..format.names import index_key, latest_ref_key, manifest_key, pack_key
 from ..format.refs import build_ref
 from ..format.pack import BlobLocation, PackBuilder
@@ -168,7 +168,7 @@ class PackChecker:
         """Whether every chunk of a previous manifest entry (and of its row delta) can be referenced again."""
         if not entry or "chunks" not in entry:
             return False
-        return all(r[0] in known and self.reusable(known[r[0]]) for r in stored_rows(entry))
+        return all(r.hash in known and self.reusable(known[r.hash]) for r in rows_of(entry))
 
 
 def write_checkpoint(
@@ -241,7 +241,7 @@ def write_checkpoint(
         return all(h in known and reusable(known[h]) for h, _size, _x in chunks)
 
     def triples(chunk_rows: list[list[Any]]) -> list[tuple[str, int, str]]:
-        return [(r[0], r[4], r[6]) for r in chunk_rows]
+        return [(r.hash, r.size, r.xxh3) for r in map(Row._make, chunk_rows)]
 
     skipped = set()
     for i in unchanged:  # tier 1: reuse the previous entry (chunks and row delta) if every chunk is still there

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastjsonschema import JsonSchemaException
 
@@ -124,6 +124,24 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
     return Manifest(doc)
 
 
+class Row(NamedTuple):
+    """A chunk row of a manifest, ``[hash, pack index, offset, length, size, codec, xxh3-128]`` (docs/format.md §8),
+    read by field name: ``Row._make(r)``. Positions for writers that update a row in place are ``Row._fields``."""
+
+    hash: str
+    pack: int  # index into the manifest's "packs"
+    offset: int
+    length: int  # stored bytes (compressed or not)
+    size: int  # raw bytes
+    codec: str
+    xxh3: str
+
+
+def rows_of(entry: dict[str, Any]) -> list[Row]:
+    """``stored_rows`` read by field name."""
+    return [Row._make(r) for r in stored_rows(entry)]
+
+
 def stored_rows(entry: dict[str, Any]) -> list[list[Any]]:
     """Every chunk row an entry's bytes depend on: its (base) chunks, then any row delta's index and values."""
     d = entry.get("delta", {})
@@ -138,7 +156,8 @@ MAX_CHUNK_BYTES = 1 << 30  # the largest chunk_size a repository may have (forma
 def chunk_bytes(chunks: list[list[Any]], npacks: int, path: str, bad: Any) -> int:
     """Raw bytes a list of chunk rows holds, after checking each row's pack index and sizes."""
     total = 0
-    for _h, pack, _off, length, csize, codec, _x in chunks:
+    for row in map(Row._make, chunks):
+        pack, length, csize, codec = row.pack, row.length, row.size, row.codec
         if pack >= npacks:
             raise bad(f"entry {path!r} names pack #{pack} of {npacks}")
         if csize == 0 or csize > MAX_CHUNK_BYTES or (length != csize if codec == "none" else length > csize):

@@ -7,11 +7,11 @@ from typing import Any
 
 from ..errors import InvalidNameError
 from .base import KeyNotFound, Store
-from .fsspec_store import OBJECT_STORE_SCHEMES, FsspecStore  # imports fsspec/s3fs only when a store is opened
+from .fsspec_store import OBJECT_STORE_SCHEMES, FsspecStore, is_object_url  # fsspec/s3fs imported on first use
 from .local import LocalStore
 from .memory import MemoryStore
 
-__all__ = ["FsspecStore", "KeyNotFound", "LocalStore", "MemoryStore", "Store", "open_store"]
+__all__ = ["FsspecStore", "KeyNotFound", "LocalStore", "MemoryStore", "Store", "is_object_url", "open_store"]
 
 
 def open_store(location: str | os.PathLike[str] | Store, **storage_options: Any) -> Store:
@@ -25,7 +25,7 @@ def open_store(location: str | os.PathLike[str] | Store, **storage_options: Any)
     if isinstance(location, Store):
         return location
     loc = os.fspath(location)
-    if storage_options and (loc.split("://", 1)[0].lower() not in OBJECT_STORE_SCHEMES if "://" in loc else True):
+    if storage_options and not is_object_url(loc):
         raise InvalidNameError(f"storage options {sorted(storage_options)} apply to object-store URLs only, not {loc!r}")
     if "://" not in loc:
         return LocalStore(loc)

@@ -43,7 +43,13 @@ _CONDITIONAL_CREATE = {"s3"}
 _TMP_MARK = ".tmp-"  # docs/format.md §2: readers ignore such names (e.g. copied up from a local repository)
 
 
-__all__ = ["FsspecStore", "MissingDependencyError", "OBJECT_STORE_SCHEMES", "ObjectStoreError"]
+__all__ = ["FsspecStore", "MissingDependencyError", "OBJECT_STORE_SCHEMES", "ObjectStoreError", "is_object_url"]
+
+
+def is_object_url(location: object) -> bool:
+    """Whether ``location`` is an object-store URL (``s3://…``, ``gs://…``, ``az://…``): the one such check."""
+    return isinstance(location, str) and "://" in location and \
+        location.split("://", 1)[0].lower() in OBJECT_STORE_SCHEMES
 
 
 def _s3_code(exc: BaseException) -> str | None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .._crash import crashpoint
+from .._process import pid_alive
 from ..errors import LuopanError, StorageError, StorageFullError
 from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
 from .walk import ABSENT as _ABSENT
@@ -44,18 +45,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    if not 0 < pid < 1 << 31:  # not a pid_t (names of temp files are not trusted): no such process
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class LocalStore(Store):
@@ -397,4 +386,4 @@ def _abandoned_by_pid_or_age(path: str, max_age: float = STALE_TMP_SECONDS) -> b
         mtime = os.stat(path).st_mtime
     except (IndexError, ValueError, OSError):
         return False
-    return (host == _HOST and not _pid_alive(pid)) or time.time() - mtime > max_age
+    return (host == _HOST and not pid_alive(pid)) or time.time() - mtime > max_age

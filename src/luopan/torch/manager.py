@@ -23,7 +23,7 @@ from ..checkpoint.repo import CheckpointInfo, Repo, SaveHandle
 from ..checkpoint.repo import open as open_repo
 from ..checkpoint.runrecord import config_json
 from ..errors import IntegrityError
-from ..format.manifest import Manifest, stored_rows
+from ..format.manifest import Manifest, rows_of
 from ..format.names import check_run, pack_key
 from ..store.base import KeyNotFound
 from ..tree import flatten
@@ -215,8 +215,8 @@ class CheckpointManager:
                                      if p is not None]
         need = [0] * len(m.packs)  # bytes each pack must hold: the end of its last chunk this checkpoint uses
         for e in m.entries:
-            for c in stored_rows(e):
-                need[c[1]] = max(need[c[1]], c[2] + c[3])
+            for r in rows_of(e):
+                need[r.pack] = max(need[r.pack], r.offset + r.length)
         for pack, needed in zip(m.packs, need):
             try:
                 size = self.repo.store.size(pack_key(pack))
