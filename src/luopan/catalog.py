@@ -50,7 +50,11 @@ def scan(store: Store, run: str | None = None, *, strays: bool = False) -> Catal
     prefix = RUNS if run is None else f"{RUNS}{run}/"
     cat = Catalog()
     bad_runs: dict[str, Stray] = {}
-    for key in store.list(prefix if strays or run is None else f"{prefix}ckpt/"):
+    if strays:  # one walk for the keys and what it passed over
+        keys, found = store.list_with_strays(prefix)
+    else:
+        keys, found = list(store.list(prefix if run is None else f"{prefix}ckpt/")), []
+    for key in keys:
         parts = key.split("/")
         name = parts[1] if len(parts) > 1 else ""
         if len(parts) < 3:
@@ -76,6 +80,6 @@ def scan(store: Store, run: str | None = None, *, strays: bool = False) -> Catal
         steps.sort()
     if strays:
         cat.strays.extend(bad_runs.values())
-        cat.strays.extend(store.strays(prefix))
+        cat.strays.extend(found)
         cat.strays.sort(key=lambda s: s.key)
     return cat

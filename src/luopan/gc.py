@@ -51,8 +51,6 @@ from .format.canonical import SealError, canonical, seal, sealed_checksum, unsea
 from .format.index import build_index, parse_index
 from .format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, MAX_SMALL_BYTES
 from .format.manifest import Manifest, Row, parse_manifest, rows_of, seal_manifest, stored_rows
-
-_PACK, _OFFSET, _CODEC = (Row._fields.index(f) for f in ("pack", "offset", "codec"))
 from .format.names import index_key, is_hex64, is_index_key, is_pack_key, latest_ref_key, manifest_key, pack_key
 from .format.refs import build_ref, parse_ref
 from .format.pack import HEADER_SIZE, PackBuilder
@@ -65,6 +63,7 @@ if TYPE_CHECKING:
 CONDEMNED_KEY = "gc/condemned.json"
 DEFAULT_GRACE = 3600.0
 DEFAULT_REPACK_BELOW = 0.5
+_PACK, _OFFSET, _CODEC = (Row._fields.index(f) for f in ("pack", "offset", "codec"))  # Row positions (relocation)
 
 
 @dataclass

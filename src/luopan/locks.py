@@ -41,8 +41,8 @@ from typing import Any
 
 from ._process import pid_alive
 from .errors import IntegrityError, LockedError, StorageError, UnsupportedFormatError, UsageError
-from .format import BASE_FORMAT_VERSION, refuse_newer
-from .format.canonical import SealError, parse_object, seal, verify_seal
+from .format import BASE_FORMAT_VERSION
+from .format.canonical import seal, unseal_file
 from .format.limits import MAX_SMALL_BYTES
 from .store.base import KeyNotFound, Store
 
@@ -165,15 +165,7 @@ def _span(seconds: float) -> str:
 def parse_lock(key: str, data: bytes) -> LockRecord:
     """A lock record, every field checked (kinds, a pid, finite times before MAX_TIME). Raises IntegrityError when
     damaged; UnsupportedFormatError when written by a newer luopan."""
-    try:
-        obj = parse_object(data)
-    except SealError as exc:
-        raise IntegrityError(f"lock record {key} is damaged: {exc}") from None
-    refuse_newer(obj, f"lock record {key}")
-    try:
-        d = verify_seal(obj)
-    except SealError as exc:
-        raise IntegrityError(f"lock record {key} is damaged: {exc}") from None
+    d = unseal_file(data, f"lock record {key}")  # CorruptRepoError (an IntegrityError) when damaged
     strs = {k: d.get(k, "") for k in ("kind", "op", "host", "pidns", "boot", "machine")}
     pid, started, created, refreshed = d.get("pid"), d.get("started"), d.get("created"), d.get("refreshed")
     ok = (all(isinstance(v, str) for v in strs.values()) and strs["kind"] in KINDS

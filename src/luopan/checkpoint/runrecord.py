@@ -31,6 +31,7 @@ from ..format import BASE_FORMAT_VERSION
 from ..format.canonical import canonical, seal, unseal_file
 from ..format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
 from ..format.names import MAX_STEP, check_run, check_step, check_tag, latest_ref_key, manifest_key
+from ..format.manifest import decode_metrics, encode_metrics
 from ..format.refs import parse_ref
 from ..locks import locked
 from ..store.base import KeyNotFound
@@ -158,7 +159,6 @@ def build_record(run: str, config: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-_parse = unseal_file
 
 
 def _require(doc: dict[str, Any], where: str, **fields: Any) -> None:
@@ -179,7 +179,7 @@ def _check_step_field(doc: dict[str, Any], where: str, step: int | None) -> None
 
 def parse_record(data: bytes, where: str, run: str | None = None) -> dict[str, Any]:
     """A run record (docs/format.md §8.1), checked; CorruptRepoError on damage."""
-    doc = _parse(data, where)
+    doc = unseal_file(data, where)
     _require(doc, where, run=(str,), created=(str,), argv=(list,), cwd=(str,), python=(str,), platform=(str,),
              packages=(dict,), environment=(dict,), config=(dict, type(None)), git=(dict, type(None)))
     if run is not None and doc["run"] != run:
@@ -195,9 +195,7 @@ def parse_record(data: bytes, where: str, run: str | None = None) -> dict[str, A
 
 def parse_eval(data: bytes, where: str, run: str | None = None, step: int | None = None) -> dict[str, Any]:
     """An eval log (docs/format.md §8.1), checked; its metrics are decoded (NaN/±inf restored)."""
-    from ..format.manifest import decode_metrics
-
-    doc = _parse(data, where)
+    doc = unseal_file(data, where)
     _require(doc, where, run=(str,), name=(str,), created=(str,), metrics=(dict,), samples=(list,))
     _check_step_field(doc, where, step)
     if run is not None and doc["run"] != run:
@@ -208,7 +206,7 @@ def parse_eval(data: bytes, where: str, run: str | None = None, step: int | None
 
 def parse_pin(data: bytes, where: str, run: str | None = None, step: int | None = None) -> dict[str, Any]:
     """A pin (docs/format.md §9.1), checked."""
-    doc = _parse(data, where)
+    doc = unseal_file(data, where)
     _require(doc, where, run=(str,), created=(str,), tag=(str, type(None)))
     _check_step_field(doc, where, step)
     if run is not None and doc["run"] != run:
@@ -256,8 +254,6 @@ class Run:
         """Keep an evaluation at ``step``: its metrics and per-sample outputs (JSON values, e.g. dicts of prompt,
         output, reference, score). Written atomically; one per step unless ``overwrite``."""
         step = check_step(step)
-        from ..format.manifest import encode_metrics
-
         if not isinstance(name, str) or not name.isprintable() or not 0 < len(name) <= 128:
             raise UnsupportedValueError(f"an eval name must be 1-128 printable characters, got {name!r}")
         try:

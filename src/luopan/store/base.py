@@ -131,6 +131,10 @@ class Store(abc.ABC):
         (``locks/``), so a link or a deep tree there costs nothing. Backends may override it for speed."""
         return [k for k in self.list(prefix) if "/" not in k[len(prefix):]]
 
+    def list_with_strays(self, prefix: str = "") -> tuple[list[str], list[Stray]]:
+        """``list(prefix)`` and ``strays(prefix)`` together; backends that walk a tree do both in one walk."""
+        return list(self.list(prefix)), self.strays(prefix)
+
     def strays(self, prefix: str = "") -> list[Stray]:
         """Entries under ``prefix`` that ``list`` passes over because they cannot be objects (special files,
         dangling links, symlink loops, invalid keys), each with the reason. Backends that hold only objects: none."""

@@ -286,6 +286,16 @@ class LocalStore(Store):
         except OSError as exc:
             raise self._failed(exc, "list", prefix) from None
 
+    def list_with_strays(self, prefix: str = "") -> tuple[list[str], list[Stray]]:
+        keys: list[str] = []
+        strays: list[Stray] = []
+        for key, stray in walk(self.root, prefix):
+            if stray is None:
+                keys.append(key)
+            else:
+                strays.append(stray)
+        return keys, strays
+
     def strays(self, prefix: str = "") -> list[Stray]:
         return [stray for _key, stray in walk(self.root, prefix) if stray is not None]
 
