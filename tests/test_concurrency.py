@@ -9,7 +9,7 @@ import json
 import subprocess
 
 import luopan
-import luopan.locks
+import luopan.repository.locks
 
 from .conftest import PYTHON
 from .helpers import assert_same_state
@@ -95,7 +95,7 @@ def run_race(url: str, tmp_path, env, seconds: float) -> None:
     need = {p for r in repo.runs() for s in repo.steps(r) for p in repo.manifest(r, s).doc["packs"]}
     have = {k.rsplit("/", 1)[-1][:-5] for k in repo.store.list("packs/")}
     assert have == need
-    assert not luopan.locks.list_locks(repo.store)
+    assert not luopan.repository.locks.list_locks(repo.store)
 
 
 def test_two_writers_and_a_collector_on_local_disk(tmp_path, child_env):

@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 import luopan
+from luopan.format import FORMAT_VERSION
+
+NEWER = FORMAT_VERSION + 1  # a format this luopan does not read
 from luopan.format.canonical import seal, unseal
 
 from .helpers import assert_same_state
@@ -330,16 +333,16 @@ def test_manifest_with_newer_format_version_is_refused(two_steps):
     root = two_steps
 
     def edit(doc):
-        doc["format_version"] = 3
+        doc["format_version"] = NEWER
     _reseal_manifest(root, 2, edit)
     # only the version differs from a valid manifest
     with open(manifest_path(root, 2), "rb") as f:
-        assert unseal(f.read())["format_version"] == 3  # checksum valid: not damage
+        assert unseal(f.read())["format_version"] == NEWER  # checksum valid: not damage
 
     repo = luopan.open(root)
     name = re.escape(f"runs/{RUN}/ckpt/00000002.json")
     for load in (lambda: repo.load(RUN, 2), lambda: repo.load(RUN), lambda: repo.manifest(RUN, 2)):
-        with pytest.raises(luopan.UnsupportedFormatError, match=r"format_version 3\b.*\(2\).*upgrade luopan") as ei:
+        with pytest.raises(luopan.UnsupportedFormatError, match=rf"format_version {NEWER}\b.*\({FORMAT_VERSION}\).*upgrade luopan") as ei:
             load()
         assert re.search(name, str(ei.value))
         assert isinstance(ei.value, RuntimeError) and isinstance(ei.value, luopan.LuopanError)
@@ -350,7 +353,7 @@ def test_manifest_with_newer_format_version_is_refused(two_steps):
     except luopan.UnsupportedFormatError as exc:
         assert "upgrade" in str(exc)
     except luopan.IntegrityError as exc:
-        assert any("format_version 3" in str(p) and "upgrade" in str(p) for p in exc.problems), exc.problems
+        assert any(f"format_version {NEWER}" in str(p) and "upgrade" in str(p) for p in exc.problems), exc.problems
     else:
         pytest.fail("verify accepted a manifest with a newer format_version")
     repo.close()
@@ -365,12 +368,12 @@ def test_repo_config_with_newer_format_version_is_refused(two_steps):
     with open(cfg, "rb") as f:
         original = f.read()
     doc = json.loads(original)
-    doc["format_version"] = 3
+    doc["format_version"] = NEWER
     with open(cfg, "wb") as f:
         f.write(seal(doc))
 
     for kwargs in ({}, {"create": False}):
-        with pytest.raises(luopan.UnsupportedFormatError, match=r"format_version 3\b.*\(2\).*upgrade luopan") as ei:
+        with pytest.raises(luopan.UnsupportedFormatError, match=rf"format_version {NEWER}\b.*\({FORMAT_VERSION}\).*upgrade luopan") as ei:
             luopan.open(root, **kwargs)
         assert isinstance(ei.value, RuntimeError)
         assert root in str(ei.value)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import luopan
-from luopan.checkpoint.save import PACK_WRITES_IN_FLIGHT
+from luopan.repository.packwriter import PACK_WRITES_IN_FLIGHT
 from luopan._crash import CRASH_EXIT_CODE
 from luopan.format.canonical import unseal
 

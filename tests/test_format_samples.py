@@ -16,16 +16,18 @@ from typing import Any
 
 import pytest
 
-from luopan.checkpoint.runrecord import parse_eval, parse_pin, parse_record
+from luopan.artifact.manifest import parse_artifact_manifest
+from luopan.checkpoint.runrecord import parse_eval, parse_record
+from luopan.repository.pins import parse_pin
 from luopan.format.canonical import canonical, seal, unseal_file
 from luopan.format.config import RepoConfig
 from luopan.format.index import parse_index
 from luopan.format.manifest import _validator, parse_manifest
 from luopan.format.pack import HEADER, TRAILER_MAGIC, parse_trailer
 from luopan.format.refs import parse_ref
-from luopan.gc import parse_condemned
-from luopan.locks import parse_lock
-from luopan.tier import parse_tier_config
+from luopan.repository.gc import parse_condemned
+from luopan.repository.locks import parse_lock
+from luopan.repository.tiersetup import parse_tier_config
 
 from .conftest import ROOT
 
@@ -112,6 +114,9 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return lambda d: parse_index(sealed(d), "index/x.json")
     if heading.startswith("## 8."):
         return check_manifest
+    if heading.startswith("### 8.2"):
+        return lambda d: parse_artifact_manifest(sealed(d), "artifacts/datasets/clean/_v/00000002.json",
+                                                 "datasets/clean", 2)
     if heading.startswith("### 8.1"):
         if "argv" in doc:
             return lambda d: parse_record(sealed(d), "runs/run-a/record.json", "run-a")
@@ -143,7 +148,7 @@ SAMPLES = samples()
 
 def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
-    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "## 9.", "### 9.1", "### 9.2",
+    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "## 9.", "### 9.1", "### 9.2",
                     "### 10.2", "### 10.3"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval

@@ -26,8 +26,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import luopan
-from luopan.checkpoint.read import read_trailer
-from luopan.checkpoint.runrecord import parse_eval, parse_pin, parse_record
+from luopan.repository.chunkio import read_trailer
+from luopan.checkpoint.runrecord import parse_eval, parse_record
+from luopan.repository.pins import parse_pin
 from luopan.errors import LuopanError
 from luopan.format.canonical import canonical, seal, unseal
 from luopan.format.config import RepoConfig
@@ -37,10 +38,10 @@ from luopan.format.manifest import parse_manifest, stored_rows
 from luopan.format.names import is_hex64, is_run_name
 from luopan.format.pack import CODECS, PackFormatError, parse_trailer
 from luopan.format.refs import parse_ref
-from luopan.gc import parse_condemned
-from luopan.locks import Lock, parse_lock
+from luopan.repository.gc import parse_condemned
+from luopan.repository.locks import Lock, parse_lock
+from luopan.repository.tiersetup import parse_tier_config
 from luopan.store import MemoryStore
-from luopan.tier import parse_tier_config
 from luopan.tree import itemsize
 
 FUZZ_EXAMPLES = int(os.environ.get("LUOPAN_FUZZ_EXAMPLES", "200"))

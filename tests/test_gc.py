@@ -1,4 +1,4 @@
-"""Garbage collection (luopan.gc, docs/format.md §10.3): what it frees, what it never touches, its two phases,
+"""Garbage collection (luopan.repository.gc, docs/format.md §10.3): what it frees, what it never touches, its two phases,
 repacking, locks, and a crash at every named point of every phase."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import luopan
 from luopan._crash import CRASH_EXIT_CODE
 from luopan.cli.main import app
 from luopan.format.names import manifest_key, pack_key
-from luopan.gc import CONDEMNED_KEY, collect
-from luopan.locks import acquire, list_locks
+from luopan.repository.gc import CONDEMNED_KEY, collect
+from luopan.repository.locks import acquire, list_locks
 from luopan.retention import KeepLast
 
 from .conftest import PYTHON
@@ -272,7 +272,7 @@ def test_cli_gc_locks_unlock(tmp_path):
     r = runner.invoke(app, ["gc", "-r", str(tmp_path / "r"), "--grace", "soon"])
     assert r.exit_code == 2 and "duration" in r.output
     # a lock left by a dead process on this host: listed as stale, removed by unlock
-    proc = subprocess.run([PYTHON, "-c", "import sys, luopan.locks as L, luopan.store as S; "
+    proc = subprocess.run([PYTHON, "-c", "import sys, luopan.repository.locks as L, luopan.store as S; "
                            "L.acquire(S.LocalStore(sys.argv[1]), 'exclusive', 'gc'); import os; os._exit(0)",
                            str(tmp_path / "r")], env={**os.environ, "PYTHONPATH": "src"}, check=True)
     assert proc.returncode == 0
@@ -285,7 +285,7 @@ def test_cli_gc_locks_unlock(tmp_path):
 
 def test_a_lock_of_a_dead_process_does_not_block_a_save(tmp_path, child_env):
     repo, sts = make_repo(tmp_path / "r", n=1)
-    subprocess.run([PYTHON, "-c", "import sys, os, luopan.locks as L, luopan.store as S; "
+    subprocess.run([PYTHON, "-c", "import sys, os, luopan.repository.locks as L, luopan.store as S; "
                     "L.acquire(S.LocalStore(sys.argv[1]), 'exclusive', 'gc'); os._exit(0)", str(tmp_path / "r")],
                    env=child_env, check=True)
     assert len(list_locks(repo.store)) == 1
@@ -351,7 +351,7 @@ def test_bad_open_options_and_a_lock_record_taken_back_after_an_error(tmp_path, 
     assert not (tmp_path / "new").exists()
     # an error between writing a shared lock record and checking for exclusive holders takes the record back
     repo = luopan.open(tmp_path / "r")
-    import luopan.locks as locks_mod
+    import luopan.repository.locks as locks_mod
 
     real = locks_mod.list_locks
     calls = {"n": 0}
@@ -384,7 +384,7 @@ def test_which_lock_holders_count_as_gone():
     machine. A machine that shares the hostname, or another pid namespace, is never judged by its pid."""
     import dataclasses
 
-    from luopan.locks import _HOST, _boot_id, _machine_id, _pidns, _start_time, LockRecord
+    from luopan.repository.locks import _HOST, _boot_id, _machine_id, _pidns, _start_time, LockRecord
 
     me = LockRecord("locks/x.json", "shared", "save", _HOST, os.getpid(), _pidns(), _boot_id(), _machine_id(),
                     _start_time(os.getpid()), 0.0, 0.0)

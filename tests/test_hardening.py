@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import luopan
 from luopan.cli.main import app
 from luopan.format.canonical import seal, unseal
-from luopan.locks import list_locks
+from luopan.repository.locks import list_locks
 from luopan.retention import KeepBest, KeepLast
 
 RUN = "r"
@@ -367,7 +367,7 @@ def test_errors_of_the_store_are_storage_errors(root):
 def test_a_failed_release_is_retried_until_the_store_answers(root):
     """A store that refuses the lock record's delete (an outage as the save fails): the record is deleted in the
     background once the store answers again, so prune/gc are not blocked behind a save that already failed."""
-    from luopan.locks import acquire, retry_releases
+    from luopan.repository.locks import acquire, retry_releases
     from luopan.store import LocalStore
 
     class Flaky(LocalStore):
@@ -483,7 +483,7 @@ def test_refusals_name_the_key_path(root, value, match):
 def test_json_files_are_capped_before_they_are_read(root, monkeypatch):
     """A manifest larger than any valid one is refused from its size, not read whole (docs/format.md §11)."""
     two_checkpoints(root)
-    import luopan.checkpoint.repo as repo_module
+    import luopan.checkpoint.reading as repo_module
 
     monkeypatch.setattr(repo_module, "MAX_MANIFEST_BYTES", 1024)
     path = manifest(root, 2)
@@ -603,7 +603,7 @@ def test_stray_copies_of_a_run_keep_their_data_through_gc(root):
 def test_an_unreadable_lock_record_is_never_broken_as_stale(root):
     """A lock record that cannot be read right now (permissions, a 503) may be a live holder's: `unlock` (stale only)
     keeps it, and a locker waits for it instead of failing at once."""
-    from luopan.locks import acquire, break_locks
+    from luopan.repository.locks import acquire, break_locks
     from luopan.store import LocalStore
 
     class Unreadable(LocalStore):

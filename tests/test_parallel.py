@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import luopan
-from luopan.checkpoint.parallel import ordered_map
+from luopan.repository.parallel import ordered_map
 
 
 @settings(max_examples=60, deadline=None)

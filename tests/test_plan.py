@@ -115,7 +115,7 @@ def test_parse_rate(text, value):
 
 
 @pytest.mark.parametrize("text, value", [("2h", 7200), ("30m", 1800), ("90s", 90), ("1.5d", 129600),
-                                         ("1h30m", 5400), ("45 min", 2700)])
+                                         ("1h30m", 5400), ("45 min", 2700), ("2 weeks", 1209600)])
 def test_parse_duration(text, value):
     assert plan.parse_duration(text) == pytest.approx(value)
 
@@ -136,7 +136,7 @@ def test_parse_bytes_and_fraction():
     (plan.parse_rate, "500furlongs/s", "unknown unit"),
     (plan.parse_rate, "0GB/s", "must be positive"),
     (plan.parse_duration, "2", "a unit is missing"),
-    (plan.parse_duration, "2 weeks", "unknown unit"),
+    (plan.parse_duration, "2 fortnights", "unknown unit"),
     (plan.parse_duration, "soon", "not a duration"),
     (plan.parse_duration, "0h", "must be positive"),
     (plan.parse_bytes, "12 parsecs", "unknown unit"),

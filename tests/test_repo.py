@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import luopan
+from luopan.format import FORMAT_VERSION
+
+NEWER = FORMAT_VERSION + 1  # a format this luopan does not read
 from luopan.format.canonical import seal, unseal
 
 
@@ -243,9 +246,9 @@ def test_memory_repository():
 def test_newer_repo_format_refused(repo_path):
     luopan.open(repo_path)
     doc = unseal((repo_path / "luopan.json").read_bytes())
-    doc["format_version"] = 3
+    doc["format_version"] = NEWER
     (repo_path / "luopan.json").write_bytes(seal(doc))
-    with pytest.raises(luopan.UnsupportedFormatError, match="format_version 3.*upgrade luopan"):
+    with pytest.raises(luopan.UnsupportedFormatError, match=f"format_version {NEWER}.*upgrade luopan"):
         luopan.open(repo_path)
 
 

@@ -19,11 +19,11 @@ import pytest
 from typer.testing import CliRunner
 
 import luopan
-import luopan.checkpoint.repo as repo_module
-import luopan.locks as locks_module
+import luopan.checkpoint.saving as repo_module
+import luopan.repository.locks as locks_module
 from luopan.cli.main import app
 from luopan.errors import LuopanError
-from luopan.locks import list_locks
+from luopan.repository.locks import list_locks
 from luopan.retention import KeepLast
 from luopan.store import FsspecStore
 from luopan.store.fsspec_store import ObjectStoreError

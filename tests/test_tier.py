@@ -1,4 +1,4 @@
-"""Tiered storage (luopan.tier, docs/format.md §10.2): local writes, background replication with verification,
+"""Tiered storage (luopan.repository.tier, luopan.store.tiered, docs/format.md §10.2): local writes, background replication with verification,
 status, eviction after confirmation, fallback loads, cold moves, resume after a kill, retries.
 
 Remotes are local directories (fast) and a real S3-protocol server (moto, tests/s3server.py)."""
@@ -16,14 +16,17 @@ import pytest
 from typer.testing import CliRunner
 
 import luopan
-from luopan import tier as tier_mod
+from luopan.checkpoint.kind import CHECKPOINTS
 from luopan.cli.main import app
 from luopan.errors import ConfigConflictError, InvalidNameError, LuopanError
 from luopan.format.manifest import parse_manifest
-from luopan.format.names import manifest_key, pack_key
+from luopan.format.names import manifest_key, pack_key, pending_key, replicated_key
+from luopan.repository import replication
+from luopan.repository import tier as tier_mod
+from luopan.repository.tiersetup import ColdPolicy
 from luopan.retention import KeepLast
 from luopan.store import FsspecStore, KeyNotFound, LocalStore, MemoryStore, Store
-from luopan.tier import ColdPolicy, TieredStore, pending_key, replicated_key
+from luopan.store.tiered import TieredStore
 
 from .conftest import PYTHON
 from .helpers import assert_same_state
@@ -267,7 +270,7 @@ def test_eviction_only_after_confirmation_and_load_falls_back(tmp_path):
         repo.save("a", step, make_state(step))
     until(lambda: repo.tier.last_error is not None, what="a failed attempt")
     local = LocalStore(tmp_path / "local")
-    assert repo.tier.evict("a") == []  # nothing is confirmed: nothing is evicted
+    assert repo.tier.evict(CHECKPOINTS, "a") == []  # nothing is confirmed: nothing is evicted
     assert all(local.exists(manifest_key("a", s)) for s in range(3))
     assert set(repo.replication_status("a").values()) <= {"local", "replicating"}
     remote.fail_puts = 0
@@ -290,7 +293,7 @@ def test_eviction_never_drops_pins_or_newest(tmp_path):
         repo.save("a", step, make_state(step))
     repo.run("a").pin(1, "keep")
     assert repo.wait_replicated(30)
-    assert repo.tier.evict("a", KeepLast(1)) == [0, 2]
+    assert repo.tier.evict(CHECKPOINTS, "a", KeepLast(1)) == [0, 2]
     assert repo.replication_status("a") == {0: "remote", 1: "replicated", 2: "remote", 3: "replicated"}
     repo.close()
 
@@ -505,9 +508,9 @@ def test_replication_goes_on_after_gc_replaced_the_index_files(tmp_path):
     r = luopan.open(tmp_path / "l", replicate_to=str(tmp_path / "rem"), replicate=False)
     r.save("a", 1, {"w": np.zeros(50_000, "f4")})
     r.save("a", 2, {"w": np.ones(50_000, "f4")})
-    assert r.tier.replicate("a", 1)  # reads (and remembers) both index files
+    assert r.tier.replicate(CHECKPOINTS, "a", 1)  # reads (and remembers) both index files
     r.gc(grace=0)  # replaces them by one
-    assert r.tier.replicate("a", 2)
+    assert r.tier.replicate(CHECKPOINTS, "a", 2)
     r.tier.start()
     assert r.wait_replicated(20)
     assert r.replication_status("a") == {1: "replicated", 2: "replicated"}
@@ -519,7 +522,7 @@ def pause_manifest_commits(monkeypatch, first_only: bool = False):
     """Make the replicator stop just before it commits a manifest on the remote (after packs, index files, record
     and pin): it sets the first event and waits (bounded) for the second. Returns (in_commit, go)."""
     in_commit, go = threading.Event(), threading.Event()
-    real = tier_mod.copy_checkpoint
+    real = tier_mod.copy_manifest
     calls = {"n": 0}
 
     def slow_copy(*a, commit=None, **kw):
@@ -534,7 +537,7 @@ def pause_manifest_commits(monkeypatch, first_only: bool = False):
 
         return real(*a, commit=paused, **kw)
 
-    monkeypatch.setattr(tier_mod, "copy_checkpoint", slow_copy)
+    monkeypatch.setattr(tier_mod, "copy_manifest", slow_copy)
     return in_commit, go
 
 
@@ -552,7 +555,7 @@ def test_overwrite_while_the_step_is_being_copied_is_copied_again(tmp_path, monk
     assert luopan.open(tmp_path / "remote").load("a", 1)["x"][0] == 1.0
     r.save("a", 2, {"x": np.full(1000, 2.0)})
     assert r.wait_replicated(20)
-    assert r.tier.evict("a", KeepLast(1)) == [1]
+    assert r.tier.evict(CHECKPOINTS, "a", KeepLast(1)) == [1]
     assert r.load("a", 1)["x"][0] == 1.0  # from the remote, the overwritten version
     r.close()
 
@@ -584,13 +587,13 @@ def test_a_replicated_marker_confirms_only_the_manifest_it_names(tmp_path):
         repo.tier.local.put(key, scratch.store.get(key))
     repo.tier.local.put(manifest_key("a", 1), scratch.store.get(manifest_key("a", 1)))
     assert repo.replication_status("a")[1] == "local"
-    assert repo.tier.evict("a", KeepLast(1)) == []
-    assert ("a", 1) in repo.tier._unreplicated()
+    assert repo.tier.evict(CHECKPOINTS, "a", KeepLast(1)) == []
+    assert (CHECKPOINTS, "a", 1) in repo.tier._unreplicated()
     repo.close()
     again = luopan.open(tmp_path / "local")  # the next open queues it: the remote gets the new version
     assert again.wait_replicated(30)
     assert_same_state(luopan.open(tmp_path / "remote", create=False).load("a", 1), make_state(7))
-    assert again.tier.evict("a", KeepLast(1)) == [1]
+    assert again.tier.evict(CHECKPOINTS, "a", KeepLast(1)) == [1]
     assert_same_state(again.load("a", 1), make_state(7))
     again.close()
 
@@ -598,7 +601,7 @@ def test_a_replicated_marker_confirms_only_the_manifest_it_names(tmp_path):
 def test_index_files_gc_removed_are_forgotten_and_skipped(tmp_path):
     src = luopan.open(tmp_path / "l")
     src.save("a", 1, {"w": np.zeros(50_000, "f4")})
-    indexes = tier_mod._IndexMap()
+    indexes = replication.IndexMap()
     packs = set(src.manifest("a", 1).packs)
     first = indexes.lookup(src.store, packs)
     assert first and all(src.store.exists(k) for k in first)
@@ -612,8 +615,8 @@ def test_index_files_gc_removed_are_forgotten_and_skipped(tmp_path):
             return {next(iter(first)): set(wanted)}
 
     dst = LocalStore(tmp_path / "dst")
-    tier_mod.ensure_repository(src.store, dst)
-    assert tier_mod.copy_checkpoint(src.store, dst, "a", 2, indexes=Stale()) is not None
+    replication.ensure_repository(src.store, dst)
+    assert replication.copy_manifest(src.store, dst, CHECKPOINTS, "a", 2, indexes=Stale()) is not None
     assert luopan.open(tmp_path / "dst", create=False).verify().checkpoints == 1
 
 

@@ -7,12 +7,16 @@
 """
 
 from . import policies, retention
-from .checkpoint.repo import CheckpointInfo, Repo, SaveHandle, VerifyReport, init, open
+from .artifact import Artifact, ArtifactVersion
+from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
+from .repo import Repo, init, open
+from .repository.lineage import Lineage
 from .checkpoint.rowdelta import DeltaPolicy
 from .checkpoint.runrecord import Run
-from .tier import ColdPolicy
+from .repository.tiersetup import ColdPolicy
 from .errors import (
     ArgumentTypeError,
+    ArtifactNotFoundError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigConflictError,
@@ -26,6 +30,7 @@ from .errors import (
     LayoutMismatchError,
     LockedError,
     LuopanError,
+    ManifestNotFoundError,
     MissingDependencyError,
     MissingPackError,
     NotARepositoryError,
@@ -41,6 +46,7 @@ from .errors import (
     StorageError,
     StorageFullError,
     UnreadableError,
+    UnsupportedFileError,
     UnsupportedFormatError,
     UnsupportedValueError,
     UsageError,
@@ -59,6 +65,9 @@ def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
 
 
 __all__ = [
+    "Artifact",
+    "ArtifactNotFoundError",
+    "ArtifactVersion",
     "ArgumentTypeError",
     "CheckpointExistsError",
     "CheckpointInfo",
@@ -75,7 +84,9 @@ __all__ = [
     "InvalidNameError",
     "LayoutMismatchError",
     "LockedError",
+    "Lineage",
     "LuopanError",
+    "ManifestNotFoundError",
     "MissingDependencyError",
     "MissingPackError",
     "NotARepositoryError",
@@ -94,6 +105,7 @@ __all__ = [
     "StorageError",
     "StorageFullError",
     "UnreadableError",
+    "UnsupportedFileError",
     "UnsupportedFormatError",
     "UnsupportedValueError",
     "UsageError",

@@ -47,11 +47,24 @@ class ConfigConflictError(LuopanError, ValueError):
     """Options given to `open` conflict with the existing repository's config."""
 
 
-class CheckpointNotFoundError(LuopanError, KeyError, LookupError):
-    """The run or step asked for has no committed checkpoint."""
+class ManifestNotFoundError(LuopanError, KeyError, LookupError):
+    """What was asked for (a checkpoint, an artifact version, a ``NAME@N`` reference) is not committed."""
 
     def __str__(self) -> str:  # KeyError would otherwise print the repr of the message
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointNotFoundError(ManifestNotFoundError):
+    """The run or step asked for has no committed checkpoint."""
+
+
+class ArtifactNotFoundError(ManifestNotFoundError):
+    """The artifact, version or file asked for is not committed."""
+
+
+class UnsupportedFileError(LuopanError, ValueError):
+    """A file an artifact commit was given cannot be stored as it is (a symbolic link, a device, a FIFO or socket, a
+    path escaping the directory); the message names it. Nothing was committed."""
 
 
 class CheckpointExistsError(LuopanError, FileExistsError):

@@ -19,7 +19,8 @@ The arithmetic of the reference article (``persistence-in-ai-engineering``, §3.
   content addressing is what makes that true (unchanged chunks are never rewritten).
 
 Units are decimal, like the article: 1 GB = 10^9 bytes, 1 MB/s = 10^6 bytes/s (``GiB``/``MiB/s`` are accepted
-on input and mean 2^30 / 2^20).
+on input and mean 2^30 / 2^20). Sizes and durations are read and written by luopan.units (its grammar: ``2h``,
+``45 min``, ``1h30m``; ``256MiB``, ``1GB``); this module converts their errors to PlanInputError.
 
 **Reproducing the article.** The defaults (``bf16`` weights, ``adam``, ``master_weights="none"``: 10 B/param) are
 the article's configuration. The article itemises 7B as 14 GB of weights + 56 GB of optimizer state (= 2 + 8
@@ -42,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import PlanInputError, ProbeError
+from . import units
+from .errors import PlanInputError, ProbeError, UsageError
 
 __all__ = [
     "Accounting", "PlanInputError", "ProbeError", "ProbeResult", "IntervalCost", "SaveCost", "ModelPlan",
@@ -63,9 +65,6 @@ OPTIMIZER_TEXT = {"adam": "Adam 2×fp32 moments", "sgd-momentum": "SGD momentum 
 
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-_BYTE_UNIT = {"b": 1, "": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SECONDS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 
 def _split(text: str, what: str, example: str) -> tuple[float, str]:
@@ -87,14 +86,12 @@ def parse_count(text: str) -> float:
 
 
 def parse_bytes(text: str) -> int:
-    """A size: ``256MiB``, ``1GB``, ``4096`` (bytes). Decimal units are powers of 10, ``…iB`` powers of 2."""
-    value, unit = _split(text, "size", "256MiB or 1GB")
-    if unit not in _BYTE_UNIT:
-        raise PlanInputError(f"{text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB")
-    n = int(value * _BYTE_UNIT[unit])
-    if n < 1:
-        raise PlanInputError(f"{text!r}: the size must be at least one byte")
-    return n
+    """A size: ``256MiB``, ``1GB``, ``4096`` (bytes). Decimal units are powers of 10, ``…iB`` powers of 2
+    (luopan.units.parse_bytes, raising PlanInputError)."""
+    try:
+        return units.parse_bytes(text)
+    except UsageError as exc:
+        raise PlanInputError(str(exc)) from None
 
 
 def parse_rate(text: str) -> float:
@@ -103,29 +100,21 @@ def parse_rate(text: str) -> float:
     if not s.lower().endswith("/s"):
         raise PlanInputError(f"{text!r} is not a bandwidth; write it like 500MB/s or 1GB/s")
     value, unit = _split(s[:-2], "bandwidth", "500MB/s or 1GB/s")
-    if unit not in _BYTE_UNIT or not unit:
+    if unit not in units.BYTE_UNITS or not unit:
         raise PlanInputError(f"{text!r}: unknown unit {unit!r}; use MB/s, GB/s (decimal) or MiB/s, GiB/s")
-    rate = value * _BYTE_UNIT[unit]
+    rate = value * units.BYTE_UNITS[unit]
     if rate <= 0:
         raise PlanInputError(f"{text!r}: the bandwidth must be positive")
     return rate
 
 
 def parse_duration(text: str) -> float:
-    """A duration in seconds: ``2h``, ``30m``, ``90s``, ``1.5d``, ``1h30m``. A unit is required (s, m, h, d)."""
-    s = text.strip().lower().replace(" ", "")
-    parts = re.findall(_NUMBER + r"([a-z]*)", s)
-    if not s or "".join(n + u for n, u in parts) != s:
-        raise PlanInputError(f"{text!r} is not a duration; write it like 2h, 30m, 90s or 1h30m")
-    total = 0.0
-    for number, unit in parts:
-        if unit not in _SECONDS:
-            raise PlanInputError(f"{text!r}: {'a unit is missing' if not unit else f'unknown unit {unit!r}'}; "
-                                 "use s, m (minutes), h or d, e.g. 2h")
-        total += float(number) * _SECONDS[unit]
-    if total <= 0:
-        raise PlanInputError(f"{text!r}: the duration must be positive")
-    return total
+    """A duration in seconds: ``2h``, ``30m``, ``90s``, ``1.5d``, ``1h30m``, ``45 min``. A unit is required
+    (luopan.units.parse_duration, raising PlanInputError)."""
+    try:
+        return units.parse_duration(text)
+    except UsageError as exc:
+        raise PlanInputError(str(exc)) from None
 
 
 def parse_fraction(text: str) -> float:
@@ -146,11 +135,7 @@ def parse_fraction(text: str) -> float:
 
 def format_bytes(n: float) -> str:
     """Decimal units, as the article: ``70.0 GB``."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+    return units.format_bytes(n, decimal=True)
 
 
 def format_count(n: float) -> str:
@@ -161,22 +146,8 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def format_seconds(s: float) -> str:
-    """A save time in seconds, as the article writes them: ``140 s``, ``1,400 s``, ``0.28 s``."""
-    if s < 10:
-        return f"{s:.2g} s" if s >= 0.01 else f"{s * 1000:.2g} ms"
-    return f"{s:,.0f} s"
-
-
-def format_interval(s: float) -> str:
-    """An interval: ``2h``, ``30m``, ``1h 22m``, ``90s``, ``2.5d``."""
-    if s < 120:
-        return f"{s:.0f}s"
-    if s >= 4 * 86400:
-        return f"{s / 86400:.1f}d"
-    minutes = round(s / 60)
-    h, m = divmod(minutes, 60)
-    return f"{m}m" if not h else f"{h}h" if not m else f"{h}h {m}m"
+format_seconds = units.format_seconds  # a save time as the article writes it: 140 s, 1,400 s, 0.28 s
+format_interval = units.format_duration  # an interval: 2h, 30m, 1h22m, 90s, 2d12h
 
 
 def format_fraction(x: float) -> str:

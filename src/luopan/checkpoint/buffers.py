@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..tree import Leaf
-from .parallel import WORKERS
+from ..repository.parallel import WORKERS
 
 _PIECE = 16 << 20  # copy in pieces so one large tensor still uses both cores
 

@@ -18,8 +18,9 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, LuopanError, OutputPathError, StorageFullError, UnsupportedValueError
 from ..format.manifest import Manifest, rows_of
 from ..store.base import Store
-from .parallel import WORKERS, ordered_map
-from .read import ChunkRef, PendingDelta, check_rows, chunk_refs, delta_jobs, read_chunk, read_chunks
+from ..repository.parallel import WORKERS, ordered_map
+from ..repository.chunkio import ChunkRef, read_chunk, read_chunks
+from .read import PendingDelta, check_rows, chunk_refs, delta_jobs
 
 # safetensors dtype codes, by luopan dtype name (torch names and NumPy names coincide where both exist)
 SAFETENSORS_DTYPES = {

@@ -1,47 +1,18 @@
-"""Reading chunks back: every chunk's BLAKE3 is checked as it is read (docs/format.md §10 rule 7)."""
+"""Reading a checkpoint's entries back: chunk references of manifest entries, row deltas applied as their base chunks
+are read (chunks are read and verified by luopan.repository.chunkio)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import numpy as np
-import zstandard
 
-from ..errors import CorruptPackError, IntegrityError, MissingPackError, StorageError, UnreadableError
-from ..format.limits import MAX_TRAILER_BYTES
 from ..format.manifest import Manifest, Row
-from ..format.names import pack_key
-from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer
-from ..store.base import KeyNotFound, Store
-from .parallel import WORKERS, ordered_map
+from ..repository.chunkio import ChunkRef, PackSizes, read_chunks
+from ..store.base import Store
 from .rowdelta import apply_patch, decode_patch
-
-_tls = threading.local()
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """One chunk of one entry of one manifest, with what error messages need to name it."""
-
-    run: str
-    step: int
-    path: str
-    index: int  # chunk number within the entry
-    hash: str
-    pack: str
-    offset: int
-    length: int
-    size: int
-    codec: str
-
-    def where(self) -> str:
-        return (f"run {self.run!r} step {self.step} entry {self.path!r} chunk {self.index} "
-                f"(hash {self.hash[:16]}…, pack {self.pack[:16]}… offset {self.offset})")
 
 
 def chunk_refs(m: Manifest, entry_index: int, part: str | None = None) -> Iterator[tuple[int, ChunkRef]]:
@@ -52,7 +23,7 @@ def chunk_refs(m: Manifest, entry_index: int, part: str | None = None) -> Iterat
     path = e["path"] if part is None else f"{e['path']} (row delta {part})"
     pos = 0
     for n, r in enumerate(map(Row._make, chunks)):
-        yield pos, ChunkRef(m.run, m.step, path, n, r.hash, m.packs[r.pack], r.offset, r.length, r.size, r.codec)
+        yield pos, ChunkRef(f"run {m.run!r} step {m.step}", path, n, r.hash, m.packs[r.pack], r.offset, r.length, r.size, r.codec)
         pos += r.size
 
 
@@ -116,50 +87,6 @@ def delta_jobs(m: Manifest, entry_index: int) -> tuple[PendingDelta | None, list
     return pending, jobs
 
 
-def _scratch(size: int) -> memoryview:
-    buf = getattr(_tls, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _tls.buf = bytearray(size)
-    return memoryview(buf)[:size]
-
-
-class PackSizes:
-    """The real sizes of the packs one batch of reads touches, each looked up once (a stat, or a HEAD on an object
-    store): a chunk row is checked against its pack's size before any byte is read or any buffer sized by it, so
-    a damaged or hostile manifest cannot make a read allocate what it declares (docs/format.md §11)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._sizes: dict[str, int] = {}
-
-    def prefetch(self, packs: set[str]) -> None:
-        """Look up the sizes of many packs at once, in parallel (one HEAD each on an object store)."""
-        missing = sorted(p for p in packs if p not in self._sizes)
-        if len(missing) < 4:
-            return
-
-        def size(pack: str) -> None:
-            try:
-                self._sizes[pack] = self.store.size(pack_key(pack))
-            except KeyNotFound:
-                pass  # reported by check() with the chunk that needs it
-
-        with ThreadPoolExecutor(min(16, len(missing)), "luopan-stat") as pool:
-            list(pool.map(size, missing))
-
-    def check(self, ref: ChunkRef) -> None:
-        size = self._sizes.get(ref.pack)
-        if size is None:
-            key = pack_key(ref.pack)
-            try:
-                size = self._sizes[ref.pack] = self.store.size(key)
-            except KeyNotFound:
-                raise MissingPackError(f"missing pack: {ref.where()}: {key} is not in the repository") from None
-        if ref.offset + ref.length > size:
-            raise CorruptPackError(f"pack truncated: {ref.where()} needs bytes up to {ref.offset + ref.length}, "
-                                   f"the pack has {size}")
-
-
 def check_rows(store: Store, m: Manifest, entries: list[int] | None = None,
                sizes: PackSizes | None = None) -> PackSizes:
     """Check every chunk row of ``m`` (or of the given entries) against its pack's real size, before anything is
@@ -172,120 +99,3 @@ def check_rows(store: Store, m: Manifest, entries: list[int] | None = None,
     return sizes
 
 
-def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | None = None) -> None:
-    """Read and verify one chunk into ``out`` (exactly ``ref.size`` bytes). Raises typed IntegrityErrors; a
-    pack that cannot be read raises StorageError. ``sizes`` checks the row against the pack's size first."""
-    key = pack_key(ref.pack)
-    (sizes or PackSizes(store)).check(ref)
-    try:
-        if ref.codec == "none":
-            got = store.read_into(key, ref.offset, out)
-            if got != ref.size:
-                raise CorruptPackError(f"pack truncated: {ref.where()} has {got} of {ref.size} bytes")
-        else:
-            data = store.get_range(key, ref.offset, ref.length)
-            if len(data) != ref.length:
-                raise CorruptPackError(f"pack truncated: {ref.where()} has {len(data)} of {ref.length} bytes")
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=ref.size)
-            except zstandard.ZstdError as exc:
-                raise CorruptPackError(f"corrupt compressed blob: {ref.where()}: {exc}") from None
-            if len(raw) != ref.size:
-                raise CorruptPackError(f"corrupt compressed blob: {ref.where()} decompressed to {len(raw)} bytes")
-            out[:] = raw
-    except KeyNotFound:
-        raise MissingPackError(f"missing pack: {ref.where()}: {key} is not in the repository") from None
-    actual = blake3.blake3(out).hexdigest()
-    if actual != ref.hash:
-        raise IntegrityError(f"hash mismatch: {ref.where()} reads as {actual[:16]}…; the stored bytes are damaged")
-
-
-def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False, sizes: PackSizes | None = None) -> None:
-    """Read and verify many chunks on both cores, each straight into its destination.
-
-    Jobs are ``(ref, out)`` or ``(ref, out, after)``: ``after(out)`` runs on the worker once the chunk is verified
-    and in place (row deltas patch a base chunk there, while it is in cache). With ``via_scratch`` each chunk is
-    read and verified in scratch memory and only then copied to its destination, so damaged bytes never reach it
-    (for restoring into memory the caller already owns).
-    """
-    sizes = sizes or PackSizes(store)
-
-    def one(job: tuple[Any, ...]) -> None:
-        ref, out = job[0], job[1]
-        if via_scratch:
-            sizes.check(ref)  # before the scratch buffer is sized by the row
-            tmp = _scratch(ref.size)
-            read_chunk(store, ref, tmp, sizes)
-            out[:] = tmp
-        else:
-            read_chunk(store, ref, out, sizes)
-        if len(job) > 2:
-            job[2](out)
-
-    if len(jobs) <= 1:
-        for job in jobs:
-            one(job)
-        return
-    with ThreadPoolExecutor(WORKERS, "luopan-read") as pool:
-        for _ in ordered_map(pool, one, jobs, window=4 * WORKERS):
-            pass
-
-
-def verify_chunks(
-    store: Store, refs: list[ChunkRef], progress: Callable[[int], Any] | None = None
-) -> list[IntegrityError]:
-    """Read every chunk into scratch memory and check it; returns the problems found (does not raise them). A pack
-    that cannot be read is an UnreadableError problem, and verification carries on."""
-    sizes = PackSizes(store)
-    sizes.prefetch({ref.pack for ref in refs})
-
-    def one(ref: ChunkRef) -> tuple[int, IntegrityError | None]:
-        try:
-            sizes.check(ref)  # before the scratch buffer is sized by the row
-            read_chunk(store, ref, _scratch(ref.size), sizes)
-        except IntegrityError as exc:
-            exc.chunk = ref  # type: ignore[attr-defined]  # lets the caller stop deduplicating against it
-            return ref.size, exc
-        except StorageError as exc:
-            return ref.size, UnreadableError(f"cannot read {ref.where()}: {exc}")
-        return ref.size, None
-
-    problems = []
-    with ThreadPoolExecutor(WORKERS, "luopan-verify") as pool:
-        for size, problem in ordered_map(pool, one, refs, window=4 * WORKERS):
-            if problem is not None:
-                problems.append(problem)
-            if progress is not None:
-                progress(size)
-    return problems
-
-
-def read_trailer(store: Store, pack_id: str) -> tuple[str, list[dict[str, Any]]]:
-    """(pack id computed from the trailer, checked blob records) of a pack. Raises KeyNotFound, PackFormatError
-    (damage: the trailer length is checked against the file's size and MAX_TRAILER_BYTES before it is read) or
-    StorageError."""
-    key = pack_key(pack_id)
-    size = store.size(key)
-    head = store.get_range(key, 0, HEADER_SIZE)
-    footer = store.get_range(key, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
-    tlen = int.from_bytes(footer[:8], "little") if len(footer) == FOOTER_SIZE else 0
-    if tlen > MAX_TRAILER_BYTES or tlen + FOOTER_SIZE + HEADER_SIZE > size:
-        raise PackFormatError("pack trailer length out of range")
-    tail = store.get_range(key, size - FOOTER_SIZE - tlen, FOOTER_SIZE + tlen)
-    return parse_trailer(head, tail, size)
-
-
-def check_pack_trailer(store: Store, pack_id: str) -> IntegrityError | None:
-    """Check that a pack's header, footer and trailer index are intact and that the trailer hashes to the pack id
-    (docs/format.md §6). Returns the problem (UnreadableError when the pack cannot be read), or None."""
-    try:
-        computed, _blobs = read_trailer(store, pack_id)
-    except KeyNotFound:
-        return None  # reported per chunk as MissingPackError
-    except PackFormatError as exc:
-        return CorruptPackError(f"pack {pack_id[:16]}…: {exc}")
-    except StorageError as exc:
-        return UnreadableError(f"pack {pack_id[:16]}… cannot be read: {exc}")
-    if computed != pack_id:
-        return CorruptPackError(f"pack {pack_id[:16]}…: its trailer index is damaged (hashes to {computed[:16]}…)")
-    return None

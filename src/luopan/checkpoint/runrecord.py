@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import platform
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import (
     CheckpointExistsError,
@@ -23,37 +23,31 @@ from ..errors import (
     CorruptRepoError,
     IntegrityError,
     StorageError,
-    UnreadableError,
     UnsupportedFormatError,
     UnsupportedValueError,
 )
 from ..format import BASE_FORMAT_VERSION
 from ..format.canonical import canonical, seal, unseal_file
 from ..format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
-from ..format.names import MAX_STEP, check_run, check_step, check_tag, latest_ref_key, manifest_key
 from ..format.manifest import decode_metrics, encode_metrics
+from ..format.names import check_run, check_step, eval_key, latest_ref_key, record_key
 from ..format.refs import parse_ref
-from ..locks import locked
+from ..repository.core import RepositoryCore
+from ..repository.pins import (
+    add_pin,
+    check_step_field,
+    pin_problems,
+    read_pins,
+    remove_pin,
+    require_members,
+)
+from ..repository.verify import as_problem
 from ..store.base import KeyNotFound
-
-if TYPE_CHECKING:
-    from .repo import Repo
+from .kind import CHECKPOINTS
 
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 PACKAGES = ("luopan", "torch", "numpy", "safetensors", "transformers", "accelerate", "deepspeed", "lightning")
 MAX_DIFF_BYTES = 16 << 20  # a larger diff is cut (and says so): records stay loadable
-
-
-def record_key(run: str) -> str:
-    return f"runs/{run}/record.json"
-
-
-def eval_key(run: str, step: int) -> str:
-    return f"runs/{run}/evals/{step:08d}.json"
-
-
-def pin_key(run: str, step: int) -> str:
-    return f"refs/pins/{run}/{step:08d}.json"
 
 
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
@@ -161,26 +155,10 @@ def build_record(run: str, config: dict[str, Any] | None) -> dict[str, Any]:
 
 
 
-def _require(doc: dict[str, Any], where: str, **fields: Any) -> None:
-    """CorruptRepoError unless each named member has the given type (a tuple of types; int excludes bool)."""
-    for name, types in fields.items():
-        value = doc.get(name)
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise CorruptRepoError(f"{where} is damaged: member {name!r} is missing or of the wrong type")
-
-
-def _check_step_field(doc: dict[str, Any], where: str, step: int | None) -> None:
-    value = doc.get("step")
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_STEP or \
-            (step is not None and value != step):
-        raise CorruptRepoError(f"{where} is damaged: it names step {value!r}" + (f", not {step}" if step is not None
-                                                                                 else ""))
-
-
 def parse_record(data: bytes, where: str, run: str | None = None) -> dict[str, Any]:
     """A run record (docs/format.md §8.1), checked; CorruptRepoError on damage."""
     doc = unseal_file(data, where)
-    _require(doc, where, run=(str,), created=(str,), argv=(list,), cwd=(str,), python=(str,), platform=(str,),
+    require_members(doc, where, run=(str,), created=(str,), argv=(list,), cwd=(str,), python=(str,), platform=(str,),
              packages=(dict,), environment=(dict,), config=(dict, type(None)), git=(dict, type(None)))
     if run is not None and doc["run"] != run:
         raise CorruptRepoError(f"{where} is damaged: it is the record of run {doc['run']!r}")
@@ -189,43 +167,25 @@ def parse_record(data: bytes, where: str, run: str | None = None) -> dict[str, A
         raise CorruptRepoError(f"{where} is damaged: argv, packages and environment must hold strings")
     git = doc.get("git")
     if git is not None:
-        _require(git, where, commit=(str,), dirty=(bool,), diff=(str,), untracked_files=(list,))
+        require_members(git, where, commit=(str,), dirty=(bool,), diff=(str,), untracked_files=(list,))
     return doc
 
 
 def parse_eval(data: bytes, where: str, run: str | None = None, step: int | None = None) -> dict[str, Any]:
     """An eval log (docs/format.md §8.1), checked; its metrics are decoded (NaN/±inf restored)."""
     doc = unseal_file(data, where)
-    _require(doc, where, run=(str,), name=(str,), created=(str,), metrics=(dict,), samples=(list,))
-    _check_step_field(doc, where, step)
+    require_members(doc, where, run=(str,), name=(str,), created=(str,), metrics=(dict,), samples=(list,))
+    check_step_field(doc, where, step)
     if run is not None and doc["run"] != run:
         raise CorruptRepoError(f"{where} is damaged: it is an eval of run {doc['run']!r}")
     doc["metrics"] = decode_metrics(doc["metrics"])
     return doc
 
 
-def parse_pin(data: bytes, where: str, run: str | None = None, step: int | None = None) -> dict[str, Any]:
-    """A pin (docs/format.md §9.1), checked."""
-    doc = unseal_file(data, where)
-    _require(doc, where, run=(str,), created=(str,), tag=(str, type(None)))
-    _check_step_field(doc, where, step)
-    if run is not None and doc["run"] != run:
-        raise CorruptRepoError(f"{where} is damaged: it pins a checkpoint of run {doc['run']!r}")
-    return doc
-
-
-_READ_PROBLEMS = (IntegrityError, UnsupportedFormatError, StorageError)
-
-
-def as_problem(exc: Exception) -> Exception:
-    """A verify problem: integrity errors as they are, an unreadable file as UnreadableError."""
-    return UnreadableError(str(exc)) if isinstance(exc, StorageError) else exc
-
-
 class Run:
     """One run of a repository: its record and eval logs (checkpoints are on the Repo)."""
 
-    def __init__(self, repo: Repo, name: str) -> None:
+    def __init__(self, repo: RepositoryCore, name: str) -> None:
         check_run(name)
         self.repo = repo
         self.name = name
@@ -287,47 +247,16 @@ class Run:
     # -- pins (docs/format.md §9.1): pinned checkpoints are never removed by prune --------------------------------
     def pin(self, step: int, tag: str | None = None) -> None:
         """Protect checkpoint ``step`` from pruning (optionally with a tag, e.g. "release-1")."""
-        step = check_step(step)
-        if tag is not None:
-            check_tag(tag)
-        if step not in self.repo.steps(self.name):
-            raise CheckpointNotFoundError(f"run {self.name!r} has no checkpoint at step {step} to pin")
-        doc = {"format_version": BASE_FORMAT_VERSION, "run": self.name, "step": step, "tag": tag,
-               "created": datetime.now(timezone.utc).isoformat()}
-        # Shared lock: a prune in progress finishes first (it read the pins), then the checkpoint must still exist.
-        with locked(self.repo.store, "shared", f"pin of {self.name} step {step}", timeout=self.repo.lock_timeout):
-            if not self.repo.store.exists(manifest_key(self.name, step)):
-                raise CheckpointNotFoundError(f"run {self.name!r} step {step} was pruned before it could be pinned")
-            self.repo.store.put(pin_key(self.name, step), seal(doc))
-        tier = getattr(self.repo, "tier", None)
-        if tier is not None:  # a tiered repository: the remote copy of the checkpoint gets the pin too
-            tier.pinned(self.name, step, seal(doc))
+        add_pin(self.repo, CHECKPOINTS, self.name, step, tag, CheckpointNotFoundError)
 
     def unpin(self, step: int) -> bool:
         """Remove the pin of ``step``; returns whether there was one."""
-        step = check_step(step)
-        key = pin_key(self.name, step)
-        if not self.repo.store.exists(key):
-            return False
-        self.repo.store.delete(key)
-        return True
+        return remove_pin(self.repo.store, CHECKPOINTS, self.name, step)
 
     def pins(self) -> dict[int, dict[str, Any]]:
         """step -> {"tag", "created"} of every pinned checkpoint of the run. A pin that cannot be read raises
         (CorruptRepoError, StorageError): prune must never proceed without knowing every pin."""
-        prefix = f"refs/pins/{self.name}/"
-        for stray in self.repo.store.strays(prefix):
-            if stray.unreadable:
-                raise StorageError(5, f"the pins of run {self.name!r} cannot all be read ({stray}): restore access "
-                                      "to them before pruning")
-        out = {}
-        for key, step in self._step_files(prefix):
-            try:
-                doc = parse_pin(self.repo.store.get_limited(key, MAX_SMALL_BYTES), key, self.name, step)
-            except KeyNotFound:
-                continue
-            out[step] = {"tag": doc.get("tag"), "created": doc.get("created")}
-        return dict(sorted(out.items()))
+        return read_pins(self.repo.store, CHECKPOINTS, self.name)
 
     def _step_files(self, prefix: str) -> list[tuple[str, int]]:
         """(key, step) of the ``<step:08d>.json`` files under ``prefix`` (other names are not luopan's)."""
@@ -346,17 +275,13 @@ class Run:
         checks = [(record_key(self.name), MAX_RECORD_BYTES, lambda d, k: parse_record(d, k, self.name))]
         checks += [(k, MAX_EVAL_BYTES, lambda d, k, s=s: parse_eval(d, k, self.name, s))
                    for k, s in self._step_files(f"runs/{self.name}/evals/")]
-        checks += [(k, MAX_SMALL_BYTES, lambda d, k, s=s: parse_pin(d, k, self.name, s))
-                   for k, s in self._step_files(f"refs/pins/{self.name}/")]
         checks.append((latest_ref_key(self.name), MAX_SMALL_BYTES, parse_ref))
         for key, limit, parse in checks:
             try:
                 parse(store.get_limited(key, limit), key)
             except KeyNotFound:
                 continue
-            except _READ_PROBLEMS as exc:
+            except (IntegrityError, UnsupportedFormatError, StorageError) as exc:
                 found.append(as_problem(exc))
-        for stray in store.strays(f"refs/pins/{self.name}/"):
-            if stray.unreadable:
-                found.append(UnreadableError(f"cannot read the pins of run {self.name!r}: {stray}"))
+        found += pin_problems(store, CHECKPOINTS, self.name)
         return found

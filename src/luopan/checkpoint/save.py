@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections import deque
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import blake3
 import xxhash
-import zstandard
 
 from .._crash import crashpoint
 from ..format import BASE_FORMAT_VERSION
@@ -23,32 +20,22 @@ from ..format.chunking import chunk_spans
 from ..format.config import RepoConfig
 from ..format.index import build_index
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.manifest import Row, encode_metrics, rows_of, seal_manifest, structure_fingerprint
-from ..format.names import index_key, latest_ref_key, manifest_key, pack_key
+from ..format.manifest import Row, encode_metrics, seal_manifest, structure_fingerprint
+from ..format.names import index_key, latest_ref_key, manifest_key
 from ..format.refs import build_ref
 from ..format.pack import BlobLocation, PackBuilder
-from ..store.base import KeyNotFound, Store
-from ..tree import Leaf
+from ..store.base import Store
 from .environment import code_version, environment
-from .parallel import WORKERS, ordered_map
-from .read import check_pack_trailer
+from ..repository.parallel import WORKERS, ordered_map
+from ..repository.packwriter import PackChecker, PackWriter, compressor, exists_quietly
+from .request import SaveRequest
 from .rowdelta import Decision, DeltaPolicy, RowTrack, plan_table
 
-_tls = threading.local()
-PACK_WRITES_IN_FLIGHT = 3
 # Chunks below this are hashed on the calling thread: handing a small chunk to a worker costs more than hashing
 # it (a LoRA re-save of 2,000 small tensors spent 0.18 s waiting on worker handoffs).
 INLINE_BYTES = 256 << 10
 # Larger chunks go to a worker up to this many bytes per handoff (fewer handoffs; memory ahead stays bounded).
 GROUP_BYTES = 16 << 20
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    c = getattr(_tls, "zstd", None)
-    if c is None or _tls.zstd_level != level:
-        c = _tls.zstd = zstandard.ZstdCompressor(level=level)
-        _tls.zstd_level = level
-    return c
 
 
 @dataclass
@@ -61,135 +48,20 @@ class SaveResult:
 
 
 @dataclass
-class _PackWriter:
-    """Builds packs and writes full ones on background threads, up to PACK_WRITES_IN_FLIGHT at once.
-
-    One pack at a time left the disk idle while the next pack was copied into the page cache: the writer was busy
-    97% of a 1 GiB save (0.29 s copying + 0.48 s fsync, never overlapping). Three in flight overlap copy and fsync
-    (1.17 s -> 0.76 s here, on par with one plain write+fsync of the same bytes). Packs hold zero-copy views of the
-    state, so more in flight costs no memory for uncompressed repositories.
-    """
+class WriteContext:
+    """What a save knows besides its request: the repository, the chunks it holds, and this process's history of the
+    run (the previous save's rows for XXH3 change detection, row-delta tracks)."""
 
     store: Store
-    pack_size: int
-    intact: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shared with the repo (see reusable())
-    builder: PackBuilder = field(default_factory=PackBuilder)
-    written: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # pack id -> blob records
-    created: list[str] = field(default_factory=list)  # packs this writer created (not ones that already existed)
-    stored_bytes: int = 0
-    _pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(PACK_WRITES_IN_FLIGHT, "luopan-pack"))
-    _inflight: deque[Future[None]] = field(default_factory=deque)
-
-    def add(self, chunk_hash: str, stored: memoryview, size: int, codec: str) -> tuple[PackBuilder, int]:
-        """Append a blob; returns its builder (whose pack_id is set once flushed) and offset."""
-        b = self.builder
-        off = b.add(chunk_hash, stored, size, codec)
-        if b.nbytes >= self.pack_size:
-            self.flush()
-        return b, off
-
-    def flush(self) -> None:
-        b = self.builder
-        if not b.blobs:
-            return
-        self.builder = PackBuilder()
-        pack_id, parts, total = b.finish()
-        while len(self._inflight) >= PACK_WRITES_IN_FLIGHT:
-            self._inflight.popleft().result()
-        self.written[pack_id] = b.blobs
-        self.stored_bytes += total
-        self._inflight.append(self._pool.submit(self._write, pack_id, parts))
-
-    def _write(self, pack_id: str, parts: list[memoryview]) -> None:
-        # An existing pack with this id has the same chunks (its id hashes their hashes and layout): keep it.
-        if self.store.put_if_absent(pack_key(pack_id), parts):
-            self.created.append(pack_id)
-            sig = self.store.signature(pack_key(pack_id))
-            if sig is not None:  # we just wrote it whole: the next save need not re-read its trailer
-                self.intact[pack_id] = sig
-
-    def finish(self) -> None:
-        """Flush the last pack and wait until every pack is durable; raises the first write error."""
-        self.flush()
-        while self._inflight:
-            self._inflight.popleft().result()
-
-    def close(self) -> None:
-        """Wait for every write to end (errors were or will be raised by finish) and stop the threads."""
-        for f in self._inflight:
-            f.exception()
-        self._inflight.clear()
-        self._pool.shutdown(wait=True)
-
-    def discard(self) -> None:
-        """Remove packs this save created (only before any index names them). A pack that already existed may
-        belong to another writer's save of the same chunks, so it is never removed here."""
-        for pack_id in self.created:
-            try:
-                self.store.delete(pack_key(pack_id))
-            except OSError:
-                pass
+    config: RepoConfig
+    known: dict[str, BlobLocation]  # chunk hash -> location, from the index files
+    previous: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> entry of this run's previous save
+    tracks: dict[str, RowTrack] = field(default_factory=dict)  # path -> row-delta state (docs/format.md §5.2)
+    policy: DeltaPolicy = field(default_factory=DeltaPolicy)
+    intact_packs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pack id -> signature when found intact
 
 
-class PackChecker:
-    """Which stored chunks a save may deduplicate against (docs/format.md §10: never a missing or damaged one)."""
-
-    def __init__(self, store: Store, intact: dict[str, tuple[int, ...]]) -> None:
-        self.store = store
-        self.intact = intact  # pack id -> filesystem signature when found intact (shared across saves)
-        self.sizes: dict[str, int] = {}  # this save's verdicts: pack size, or -1
-
-    def reusable(self, loc: BlobLocation) -> bool:
-        """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
-        once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
-        and saving again repairs it. A pack this process already found intact (or wrote) is not re-read while its
-        filesystem signature (size, inode, mtime, ctime) is unchanged: one stat instead of three reads."""
-        sizes = self.sizes
-        if loc.pack not in sizes:
-            key = pack_key(loc.pack)
-            try:
-                sig = self.store.signature(key)
-                if sig is not None and self.intact.get(loc.pack) == sig:
-                    sizes[loc.pack] = sig[0]
-                elif check_pack_trailer(self.store, loc.pack) is None:
-                    sizes[loc.pack] = self.store.size(key)
-                    if sig is not None:
-                        self.intact[loc.pack] = sig
-                else:
-                    sizes[loc.pack] = -1
-            except KeyNotFound:
-                sizes[loc.pack] = -1
-            if sizes[loc.pack] < 0:
-                self.intact.pop(loc.pack, None)
-        return sizes[loc.pack] >= loc.offset + loc.length
-
-    def entry_reusable(self, entry: dict[str, Any] | None, known: dict[str, BlobLocation]) -> bool:
-        """Whether every chunk of a previous manifest entry (and of its row delta) can be referenced again."""
-        if not entry or "chunks" not in entry:
-            return False
-        return all(r.hash in known and self.reusable(known[r.hash]) for r in rows_of(entry))
-
-
-def write_checkpoint(
-    store: Store,
-    config: RepoConfig,
-    known: dict[str, BlobLocation],
-    run: str,
-    step: int,
-    skeleton: dict[str, Any],
-    leaves: list[Leaf],
-    metrics: dict[str, Any] | None,
-    metadata: dict[str, Any] | None,
-    overwrite: bool,
-    previous: dict[str, dict[str, Any]] | None = None,
-    unchanged: frozenset[int] = frozenset(),
-    tracks: dict[str, RowTrack] | None = None,
-    hints: dict[str, Any] | None = None,
-    policy: DeltaPolicy = DeltaPolicy(),
-    snapshot: bool = False,
-    intact_packs: dict[str, tuple[int, ...]] | None = None,
-) -> SaveResult:
+def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
     """Write the chunks the store lacks, then index, manifest and ref. Returns the committed manifest.
 
     ``previous`` maps entry paths of the run's previous checkpoint (saved by this process) to their manifest
@@ -201,14 +73,13 @@ def write_checkpoint(
     this save wrote are deleted again (nothing can reference them yet). With ``snapshot`` (save_async) the
     leaves of ``unchanged`` were not copied and must not be read: if their previous chunks are gone, the save fails.
     """
-    previous = previous or {}
-    tracks = tracks or {}
-    hints = hints or {}
+    store, config, known, previous, tracks, policy = ctx.store, ctx.config, ctx.known, ctx.previous, ctx.tracks, ctx.policy
+    run, step, leaves, unchanged, hints, snapshot = req.run, req.step, req.leaves, req.unchanged, req.hints, req.snapshot
     chunk_size = config.chunk_size
     codec = config.compression.codec
     level = config.compression.level
-    intact_packs = {} if intact_packs is None else intact_packs  # pack id -> signature when found intact
-    writer = _PackWriter(store, config.pack_size, intact_packs)
+    intact_packs = ctx.intact_packs
+    writer = PackWriter(store, config.pack_size, intact_packs)
     # hash -> (builder, offset, stored length, raw size, codec) for chunks this save adds
     new: dict[str, tuple[PackBuilder, int, int, int, str]] = {}
     entries: list[dict[str, Any]] = []
@@ -303,7 +174,7 @@ def write_checkpoint(
         else:
             h = blake3.blake3(view).hexdigest()
         if codec == "zstd" and h not in known:
-            z = _compressor(level).compress(view)
+            z = compressor(level).compress(view)
             if len(z) < len(view):
                 return i, h, memoryview(z), len(view), "zstd", x
         return i, h, view, len(view), "none", x
@@ -334,7 +205,7 @@ def write_checkpoint(
         writer.close()
         # Once the index is visible (even if its put then failed, e.g. in the directory fsync) other writers may
         # dedup against these packs: from then on they are left to garbage collection, never deleted here.
-        if index_name is None or not _exists_quietly(store, index_name):
+        if index_name is None or not exists_quietly(store, index_name):
             writer.discard()
         raise
     writer.close()
@@ -380,13 +251,13 @@ def write_checkpoint(
         "run": run,
         "step": step,
         "created": datetime.now(timezone.utc).isoformat(),
-        "metrics": encode_metrics(metrics),
-        "metadata": dict(metadata or {}),
+        "metrics": encode_metrics(req.metrics),
+        "metadata": dict(req.metadata or {}),
         "environment": environment(),
         "fingerprint": structure_fingerprint(entries),
         "packs": list(pack_ids),
         "entries": entries,
-        "tree": skeleton,
+        "tree": req.skeleton,
         "stats": {
             "logical_bytes": sum(e["nbytes"] for e in entries if "alias_of" not in e),
             "chunks": sum(len(r) for r in rows),
@@ -399,6 +270,8 @@ def write_checkpoint(
     code = code_version()
     if code is not None:
         doc["code"] = code
+    if req.inputs:
+        doc["inputs"] = list(req.inputs)
     data = seal_manifest(doc)  # raises on metadata that is not JSON
     if len(data) > MAX_MANIFEST_BYTES:  # readers refuse larger ones (docs/format.md §11): never commit one
         raise UnsupportedValueError(
@@ -406,7 +279,7 @@ def write_checkpoint(
             f"({MAX_MANIFEST_BYTES}): use a larger chunk_size for this repository, or split the state into runs")
     mkey = manifest_key(run, step)
     try:
-        if overwrite:
+        if req.overwrite:
             store.put(mkey, data)
         elif not store.put_if_absent(mkey, data):
             raise CheckpointExistsError(
@@ -416,7 +289,7 @@ def write_checkpoint(
     except OSError:
         # The manifest may be visible but not durable (e.g. the directory fsync failed). A save that raises must
         # not leave a checkpoint behind, so take ours back (best effort) before reporting the failure.
-        if not overwrite:
+        if not req.overwrite:
             _retract(store, mkey, data)
         raise
     # The checkpoint is committed now. The ref is advisory (docs/format.md §9): failing to update it must not
@@ -435,10 +308,3 @@ def _retract(store: Store, key: str, data: bytes) -> None:
             store.delete(key)
     except OSError:
         pass
-
-
-def _exists_quietly(store: Store, key: str) -> bool:
-    try:
-        return store.exists(key)
-    except OSError:
-        return True  # unknown: assume visible, keep the packs

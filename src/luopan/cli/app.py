@@ -18,17 +18,20 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..checkpoint.repo import Repo, open as repo_open
+from .. import __version__
 from ..errors import (
-    CheckpointNotFoundError,
     GcError,
     IntegrityError,
     LuopanError,
+    ManifestNotFoundError,
     RepoNotFoundError,
     UnsupportedFormatError,
     UsageError,
 )
 from ..format import FORMAT_VERSION
+from ..repo import Repo
+from ..repo import open as repo_open
+from ..units import format_bytes
 
 app = typer.Typer(
     name="luopan",
@@ -53,7 +56,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (GcError, 3),
     (IntegrityError, 3),
     (RepoNotFoundError, 4),
-    (CheckpointNotFoundError, 4),
+    (ManifestNotFoundError, 4),
     (UnsupportedFormatError, 5),
     (LuopanError, 1),
     (OSError, 1),
@@ -116,12 +119,7 @@ def report_strays(r: Repo, run: str | None = None) -> None:
                       f"{escape(shown)} (`luopan verify` lists them)", highlight=False)
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+human = format_bytes  # a size for people, binary units: 512 B, 1.5 MiB (luopan.units.format_bytes)
 
 
 def ratio(x: float) -> str:
@@ -158,8 +156,6 @@ def json_safe(v: Any) -> Any:
 
 def _version(value: bool) -> None:
     if value:
-        from .. import __version__
-
         out.print(f"luopan {__version__} (reads repository formats 1-{FORMAT_VERSION})")
         raise typer.Exit()
 

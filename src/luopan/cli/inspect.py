@@ -8,9 +8,11 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from ..checkpoint.repo import CheckpointInfo, Repo
+from ..checkpoint.info import CheckpointInfo
+from ..repo import Repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError
 from ..format.names import manifest_key
+from .artifact import is_artifact_target, log as artifact_log
 from .app import (
     JsonOpt,
     RepoOpt,
@@ -39,7 +41,8 @@ def ls(
     run: Annotated[Optional[str], typer.Argument(help="Run to list checkpoints of; all runs when omitted.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List runs, or the checkpoints of RUN with sizes, bytes newly written and dedup ratio."""
+    """List runs (and artifacts), or the checkpoints of RUN with sizes, bytes newly written and dedup ratio. An
+    artifact name lists its versions (as `luopan artifact log NAME`)."""
     repo = repo_location(repo)
     r = open_repo(repo)
     if run is None:
@@ -52,9 +55,15 @@ def ls(
                          "latest_step": last.step if last else None, "latest_time": last.created if last else "",
                          "logical_bytes": sum(c.logical_bytes for c in cps),
                          "stored_bytes": sum(c.stored_bytes for c in cps)})
+        artifacts = [{"artifact": n, "versions": len(r.artifact(n).numbers())} for n in r.artifact_names()]
         if as_json:
-            emit_json({"runs": rows})
+            emit_json({"runs": rows, "artifacts": artifacts})
             return
+        if artifacts:
+            out.print(f"{len(artifacts)} artifact(s): "
+                      + ", ".join(f"{a['artifact']} ({a['versions']} version(s))" for a in artifacts[:20])
+                      + (" …" if len(artifacts) > 20 else "") + " — `luopan artifact ls` for details",
+                      highlight=False)
         if not rows:
             out.print("no checkpoints yet")
             return
@@ -66,6 +75,9 @@ def ls(
             t.add_row(row["run"], count, str(row["latest_step"]), row["latest_time"][:19],
                       human(row["logical_bytes"]), human(row["stored_bytes"]))
         out.print(t)
+        return
+    if is_artifact_target(r, run):
+        artifact_log(repo=repo, name=run, as_json=as_json)
         return
     cps, damaged = _checkpoints(r, run)
     if not cps and not damaged:
@@ -218,7 +230,7 @@ def diff(
 @app.command()
 @handles_errors
 def du(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
-    """Logical size of all checkpoints vs physical size on storage."""
+    """Logical size of all checkpoints and artifact versions vs physical size on storage."""
     repo = repo_location(repo)
     r = open_repo(repo)
     report_strays(r)
@@ -227,7 +239,8 @@ def du(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         emit_json({**d, "dedup_ratio": round(ratio, 4)})
         return
-    out.print(f"{d['checkpoints']} checkpoint(s): {human(d['logical_bytes'])} logical, "
+    arts = f" and {d['artifacts']} artifact version(s)" if d.get("artifacts") else ""
+    out.print(f"{d['checkpoints']} checkpoint(s){arts}: {human(d['logical_bytes'])} logical, "
               f"{human(d['physical_bytes'])} on storage ({ratio:.1f}× dedup)")
     out.print(f"  packs {human(d['pack_bytes'])}, index {human(d['index_bytes'])}, "
               f"manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])}")

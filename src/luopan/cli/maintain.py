@@ -6,10 +6,27 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..checkpoint.repo import init as repo_init
 from ..errors import LuopanError
-from .app import JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, not_found, open_repo, out, \
-    repo_location, report_strays
+from ..repo import init as repo_init
+from ..repository.locks import break_locks, list_locks
+from ..retention import rules_from_flags
+from ..units import parse_duration
+from .artifact import is_artifact_target
+from .app import (
+    JsonOpt,
+    RepoOpt,
+    app,
+    emit_json,
+    err,
+    handles_errors,
+    human,
+    not_found,
+    open_repo,
+    out,
+    repo_location,
+    report_strays,
+)
+
 
 @app.command()
 @handles_errors
@@ -34,7 +51,7 @@ def init(
 def prune(
     *,
     repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run to prune.")],
+    run: Annotated[str, typer.Argument(help="Run (or artifact) to prune.")],
     keep_last: Annotated[Optional[str], typer.Option("--keep-last", metavar="N",
                                                      help="Keep the N newest checkpoints.")] = None,
     keep_best: Annotated[list[str], typer.Option("--keep-best", metavar="N:METRIC[:min|max]",
@@ -55,15 +72,18 @@ def prune(
     Removing deletes manifests only; run `luopan gc` to free the space of data nothing references any more.
     """
     repo = repo_location(repo)
-    from ..retention import rules_from_flags
 
     try:
         rules = rules_from_flags(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
                                  keep_every_steps=keep_every_steps, keep_tag=keep_tag)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    r = open_repo(repo)
     try:
-        decided = open_repo(repo).prune(run, rules, dry_run=dry_run)
+        if is_artifact_target(r, run):
+            decided = r.artifact(run).prune(rules, dry_run=dry_run)
+        else:
+            decided = r.prune(run, rules, dry_run=dry_run)
     except ValueError as exc:
         if isinstance(exc, LuopanError):
             raise
@@ -83,13 +103,14 @@ def prune(
 def pin(
     *,
     repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    step: Annotated[int, typer.Argument(help="Step of the checkpoint to protect.")],
+    run: Annotated[str, typer.Argument(help="Run name (or artifact name).")],
+    step: Annotated[int, typer.Argument(help="Step of the checkpoint (or artifact version) to protect.")],
     tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
 ) -> None:
-    """Protect a checkpoint: `luopan prune` never removes a pinned checkpoint."""
+    """Protect a checkpoint (or artifact version): `luopan prune` never removes a pinned one."""
     repo = repo_location(repo)
-    open_repo(repo).run(run).pin(step, tag)
+    r = open_repo(repo)
+    (r.artifact(run) if is_artifact_target(r, run) else r.run(run)).pin(step, tag)
     out.print(f"pinned {run} step {step}" + (f" as {tag!r}" if tag else ""))
 
 
@@ -98,28 +119,27 @@ def pin(
 def unpin(
     *,
     repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    step: Annotated[int, typer.Argument(help="Step to unpin.")],
+    run: Annotated[str, typer.Argument(help="Run name (or artifact name).")],
+    step: Annotated[int, typer.Argument(help="Step (or artifact version) to unpin.")],
 ) -> None:
-    """Remove a checkpoint's pin (the checkpoint itself stays until a prune removes it)."""
+    """Remove a pin (the checkpoint or artifact version itself stays until a prune removes it)."""
     repo = repo_location(repo)
-    if open_repo(repo).run(run).unpin(step):
+    r = open_repo(repo)
+    if (r.artifact(run) if is_artifact_target(r, run) else r.run(run)).unpin(step):
         out.print(f"unpinned {run} step {step}")
     else:
         raise typer.Exit(not_found(f"run {run!r} step {step} is not pinned"))
 
 
 def _grace(text: str) -> float:
-    from ..retention import parse_duration
-
-    zero = text.strip().lower().rstrip("smhdw")
+    """``--grace``: a duration (luopan.units grammar), or zero, with a unit or without (0, 0.0, 0s, 0h)."""
     try:
-        if zero and float(zero) == 0:
+        if float(text) == 0:
             return 0.0
     except ValueError:
         pass
     try:
-        return parse_duration(text)
+        return parse_duration(text, allow_zero=True)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -188,7 +208,6 @@ def gc(
 def locks(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
     """List the repository's locks: saves hold shared ones, prune and gc an exclusive one."""
     repo = repo_location(repo)
-    from ..locks import list_locks
 
     recs = list_locks(open_repo(repo).store)
     if as_json:
@@ -211,7 +230,6 @@ def unlock(
 ) -> None:
     """Remove stale locks (their process is gone, or they were not refreshed for 30 min)."""
     repo = repo_location(repo)
-    from ..locks import break_locks
 
     removed = break_locks(open_repo(repo).store, stale_only=not remove_all)
     for rec in removed:

@@ -59,7 +59,7 @@ def plan(
     = "256MiB",  # type: ignore[assignment]  (parsed by the parser, like a typed value)
     interval: Annotated[Optional[list[float]], typer.Option(
         parser=_plan_arg(_plan.parse_duration), metavar="DURATION", show_default=False,
-        help="Save interval; repeat for several: --interval 2h --interval 30m (s, m, h, d). Default 2h.")] = None,
+        help="Save interval; repeat for several: --interval 2h --interval 30m (s, m, h, d, w). Default 2h.")] = None,
     mtbf: Annotated[Optional[float], typer.Option(
         parser=_plan_arg(_plan.parse_duration), metavar="DURATION", show_default=False,
         help="Mean time between failures, e.g. 24h: adds the Young/Daly interval sqrt(2*C*MTBF).")] = None,

@@ -2,7 +2,8 @@
 
 A tiered repository records its remote (and cold policy) in ``<repo>/tier/config.json``, so every command opens it
 as tiered without flags: ``luopan ls -r ckpts RUN`` shows each checkpoint's tier, ``luopan show``/``export`` read
-evicted checkpoints from the remote. Registered on the app by importing this module (luopan.cli.main does).
+evicted checkpoints from the remote. Both commands cover every kind (checkpoints and artifact versions).
+Registered on the app by importing this module (luopan.cli.main does).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..checkpoint.repo import open as repo_open
-from ..retention import KeepLast, parse_duration, parse_keep_last
-from ..tier import ColdPolicy
+from ..repo import open as repo_open
+from ..repository.tiersetup import ColdPolicy
+from ..retention import KeepLast, parse_keep_last
+from ..units import parse_duration
 from .app import RepoOpt, app, emit_json, err, handles_errors, out, repo_location
 
 
@@ -26,12 +28,13 @@ def replicate(
         "--to", help="Remote URL or path to replicate to (recorded in the repository; needed the first time).")] = None,
     keep_local: Annotated[Optional[str], typer.Option(
         "--keep-local", metavar="N",
-        help="After replicating, keep only the newest N checkpoints of each run locally (plus pinned ones); "
-             "only checkpoints confirmed on the remote are evicted.")] = None,
+        help="After replicating, keep only the newest N checkpoints of each run (versions of each artifact) "
+             "locally, plus pinned ones; only those confirmed on the remote are evicted.")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="Give up waiting after this many seconds.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
 ) -> None:
-    """Replicate every local checkpoint the remote lacks (resuming interrupted replication) and wait for it."""
+    """Replicate every local checkpoint and artifact version the remote lacks (resuming interrupted replication) and
+    wait for it."""
     repo = repo_location(repo)
     try:
         rules: KeepLast | None = parse_keep_last(keep_local) if keep_local is not None else None
@@ -46,20 +49,26 @@ def replicate(
         r.tier.start()
         done = r.wait_replicated(timeout)
         if rules is not None:
-            for run in r.runs():
-                r.tier.evict(run, rules)
-        status = {run: r.replication_status(run) for run in r.runs()}
+            for kind in r.kinds:
+                for series in kind.scan(r.tier.local, None, False).runs:
+                    r.tier.evict(kind, series, rules)
+        # "runs" (checkpoints), "artifacts": series -> number -> status
+        status = {f"{kind.series_noun}s": {series: r.tier.status(kind, series)
+                                           for series in kind.scan(r.store, None, False).runs} for kind in r.kinds}
     finally:
         r.close()
     if as_json:
-        emit_json({"remote": r.tier.url, "done": done, "runs": {k: {str(s): v for s, v in st.items()}
-                                                                   for k, st in status.items()}})
+        emit_json({"remote": r.tier.url, "done": done, **{group: {k: {str(s): v for s, v in st.items()}
+                                                                  for k, st in by_series.items()}
+                                                          for group, by_series in status.items()}})
     else:
-        for run, st in status.items():
-            counts: dict[str, int] = {}
-            for v in st.values():
-                counts[v] = counts.get(v, 0) + 1
-            out.print(f"{run}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        for group, by_series in status.items():
+            for series, st in by_series.items():
+                counts: dict[str, int] = {}
+                for v in st.values():
+                    counts[v] = counts.get(v, 0) + 1
+                shown = series if group == "runs" else f"{group[:-1]} {series}"
+                out.print(f"{shown}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     if not done:
         err.print("[bold red]error:[/] replication did not finish in time; run `luopan replicate` again to resume "
                   f"(last error: {r.tier.last_error})")
@@ -74,12 +83,13 @@ def cold(
     to: Annotated[Optional[str], typer.Option(
         "--to", help="Cold store URL or path (recorded in the repository; needed the first time).")] = None,
     older_than: Annotated[Optional[str], typer.Option(
-        "--older-than", help="Move checkpoints older than this (e.g. 7d, 36h; default: the recorded policy, "
-                             "else 7d).")] = None,
+        "--older-than", help="Move checkpoints and artifact versions older than this (e.g. 7d, 36h; default: "
+                             "the recorded policy, else 7d).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be moved.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Move checkpoints that are not pinned, already replicated and older than a threshold to the cold store."""
+    """Move checkpoints and artifact versions that are not pinned, already replicated and older than a threshold to
+    the cold store."""
     repo = repo_location(repo)
     if older_than is not None:
         try:
@@ -96,12 +106,14 @@ def cold(
             raise typer.Exit(1)
         if older_than is not None and policy is None:
             r.tier.cold = ColdPolicy(r.tier.cold.url, older_than, r.tier.cold.storage_options)
-        moved = r.apply_cold_policy(dry_run=dry_run)
+        moved = r.tier.move_cold(dry_run=dry_run)
     finally:
         r.close()
-    if as_json:
-        emit_json({"dry_run": dry_run, "moved": [{"run": a, "step": s} for a, s in moved]})
+    if as_json:  # {"run": …, "step": …} for a checkpoint, {"artifact": …, "version": …} for an artifact version
+        emit_json({"dry_run": dry_run, "moved": [{m.kind.series_noun: m.series, m.kind.number_noun: m.number}
+                                                 for m in moved]})
         return
     verb = "would move" if dry_run else "moved"
-    out.print(f"{verb} {len(moved)} checkpoint(s) to {r.tier.cold.url}"
-              + "".join(f"\n  {a} step {s}" for a, s in moved))
+    what = "checkpoint(s)" if all(m.kind.name == "checkpoint" for m in moved) else "manifest(s)"
+    out.print(f"{verb} {len(moved)} {what} to {r.tier.cold.url}"
+              + "".join(f"\n  {m.series} {m.kind.number_noun} {m.number}" for m in moved))

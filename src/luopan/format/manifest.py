@@ -13,9 +13,10 @@ from typing import Any, NamedTuple
 from fastjsonschema import JsonSchemaException
 
 from ..errors import CorruptManifestError
+from ..tree import itemsize
 from . import refuse_newer
-from .limits import MAX_NBYTES, MAX_NDIM, shape_fits
 from .canonical import SealError, canonical, digest, parse_object, seal, verify_seal
+from .limits import MAX_NBYTES, MAX_NDIM, shape_fits
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -172,8 +173,6 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
     Every check here guards a read path: without it a damaged or hostile manifest could make `load` return memory
     it never read (shape larger than nbytes), or allocate absurd buffers.
     """
-    from ..tree import itemsize
-
     def bad(msg: str) -> CorruptManifestError:
         return CorruptManifestError(f"manifest {where}: {msg}")
 

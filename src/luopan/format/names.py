@@ -1,4 +1,4 @@
-"""Run names, steps, key paths and the store keys derived from them (docs/format.md §2)."""
+"""Names (runs, artifacts, steps, tags, key paths) and every store key luopan builds or parses (docs/format.md §2)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,91 @@ def step_from_manifest_key(key: str) -> int | None:
 
 def latest_ref_key(run: str) -> str:
     return f"refs/runs/{run}/latest.json"
+
+
+def record_key(run: str) -> str:
+    return f"runs/{run}/record.json"
+
+
+def eval_key(run: str, step: int) -> str:
+    return f"runs/{run}/evals/{step:08d}.json"
+
+
+def pin_key(run: str, step: int) -> str:
+    return f"refs/pins/{run}/{step:08d}.json"
+
+
+# -- artifacts (docs/format.md §2): names are run names joined by "/"; "_v" and "_artifacts" cannot be one --------
+ARTIFACTS = "artifacts/"
+ARTIFACT_VERSIONS = "_v"
+ARTIFACT_PINS = "refs/pins/_artifacts/"
+MAX_ARTIFACT_NAME = 256
+
+
+def is_artifact_name(name: object) -> bool:
+    return (isinstance(name, str) and 0 < len(name) <= MAX_ARTIFACT_NAME
+            and all(is_run_name(part) for part in name.split("/")))
+
+
+def check_artifact(name: object) -> str:
+    """An artifact name: run names (1-128 ASCII letters, digits, '.', '_', '-', starting with a letter or digit)
+    joined by '/', at most 256 characters (e.g. 'datasets/clean')."""
+    if not is_artifact_name(name):
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:80]) + "…"
+        raise InvalidNameError(
+            f"invalid artifact name {shown}: use parts of 1-128 ASCII letters, digits, '.', '_' and '-' (each starting "
+            f"with a letter or digit, without '.tmp-') joined by '/', at most {MAX_ARTIFACT_NAME} characters "
+            "(e.g. 'datasets/clean')")
+    return name  # type: ignore[return-value]
+
+
+def check_version(version: object) -> int:
+    """An artifact version: an integer from 1 to MAX_STEP."""
+    value = check_step(version)
+    if value == 0:
+        raise InvalidNameError("invalid artifact version 0: versions count from 1")
+    return value
+
+
+def artifact_manifest_key(name: str, version: int) -> str:
+    return f"{ARTIFACTS}{name}/{ARTIFACT_VERSIONS}/{version:08d}{MANIFEST_SUFFIX}"
+
+
+def artifact_pin_key(name: str, version: int) -> str:
+    return f"{ARTIFACT_PINS}{name}/{version:08d}.json"
+
+
+def parse_ref_text(text: object, what: str = "reference") -> tuple[str, int]:
+    """'NAME@N' -> (NAME, N); InvalidNameError naming the expected form otherwise."""
+    if not isinstance(text, str) or text.count("@") != 1:
+        raise InvalidNameError(f"invalid {what} {text!r}: use NAME@NUMBER, e.g. 'datasets/clean@2' or 'run-a@100'")
+    name, _, number = text.partition("@")
+    if not (number.isascii() and number.isdigit()):
+        raise InvalidNameError(f"invalid {what} {text!r}: the part after '@' must be a number")
+    return name, int(number)
+
+
+# -- tier markers (docs/format.md §10.2): tier/<state>/<marker><series>/<number:08d>.json --------------------------
+def tier_marker_key(state: str, marker: str, series: str, number: int) -> str:
+    return f"tier/{state}/{marker}{series}/{number:08d}.json"
+
+
+TIER_CONFIG_KEY = "tier/config.json"  # a tiered repository's recorded remote and cold policy
+
+
+def pending_key(run: str, step: int) -> str:  # the checkpoint kind's markers (its marker prefix is "")
+    return tier_marker_key("pending", "", run, step)
+
+
+def replicated_key(run: str, step: int) -> str:
+    return tier_marker_key("replicated", "", run, step)
+
+
+def cold_key(run: str, step: int) -> str:
+    return tier_marker_key("cold", "", run, step)
+
+
+CONDEMNED_KEY = "gc/condemned.json"  # gc's record of unreferenced packs and since when (docs/format.md §10.3)
 
 
 def pack_key(pack_id: str) -> str:

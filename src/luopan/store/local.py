@@ -36,7 +36,7 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 def _crash_kind(key: str) -> str:
     top = key.split("/", 1)[0]
-    return {"packs": "pack", "index": "index", "runs": "manifest", "refs": "ref"}.get(top, "file")
+    return {"packs": "pack", "index": "index", "runs": "manifest", "artifacts": "manifest", "refs": "ref"}.get(top, "file")
 
 
 def _fsync_dir(path: str) -> None:

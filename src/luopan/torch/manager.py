@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import random
 import time
@@ -18,13 +19,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint.read import check_pack_trailer, chunk_refs, delta_jobs, read_chunks
-from ..checkpoint.repo import CheckpointInfo, Repo, SaveHandle
-from ..checkpoint.repo import open as open_repo
+from ..checkpoint.info import CheckpointInfo, SaveHandle
+from ..checkpoint.read import chunk_refs, delta_jobs
 from ..checkpoint.runrecord import config_json
 from ..errors import IntegrityError
 from ..format.manifest import Manifest, rows_of
 from ..format.names import check_run, pack_key
+from ..policies import EveryNSteps
+from ..repo import Repo
+from ..repo import open as open_repo
+from ..repository.chunkio import check_pack_trailer, read_chunks
+from ..retention import KeepBest, Retention
 from ..store.base import KeyNotFound
 from ..tree import flatten
 from .state import TrainingState
@@ -45,8 +50,6 @@ class CheckpointManager:
                  policy: Any = None, async_save: bool = False, trust_versions: bool = False,
                  verify_every: int = 10, verify_sample: int = 8, config: dict[str, Any] | None = None,
                  retention: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
-        from ..policies import EveryNSteps
-
         check_run(run)  # before the repository is opened or created
         self._owns_repo = not isinstance(repo, Repo)
         self.repo = repo if isinstance(repo, Repo) else open_repo(repo)
@@ -168,10 +171,6 @@ class CheckpointManager:
 
     def _warn_unlogged_metrics(self) -> None:
         """Warn once when a KeepBest rule names a metric close to, but not, one the loop logs (``Loss``/``loss``)."""
-        import difflib
-
-        from ..retention import KeepBest, Retention
-
         if self._warned_metrics or not self._metric_names:
             return
         rules = self.retention.rules if isinstance(self.retention, Retention) else (self.retention,)

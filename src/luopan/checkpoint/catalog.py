@@ -1,4 +1,5 @@
-"""The catalog: which checkpoints a repository holds, found by the one walk every command uses (docs/format.md §2).
+"""The checkpoint kind's catalog: which checkpoints a repository holds, found by the one walk every command uses
+(docs/format.md §2).
 
 A checkpoint exists iff its manifest exists: a regular file ``runs/<run>/ckpt/<step:08d>.json`` whose run name is
 valid and whose step is in range. Listing (``Repo.runs``/``steps``), gc marking, verify, du, prune and replication
@@ -10,38 +11,13 @@ never fatal and never opened.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .format.names import is_run_name, step_from_manifest_key
-from .store.base import Store, Stray
+from ..format.names import is_run_name, step_from_manifest_key
+from ..repository.kinds import Catalog
+from ..store.base import Store, Stray
 
 RUNS = "runs/"
 _RUN_FILES = ("record.json",)  # luopan's files directly in a run directory besides ckpt/ (docs/format.md §2)
 _RUN_DIRS = ("ckpt", "evals")
-
-
-@dataclass
-class Catalog:
-    """Committed steps by run (ascending), and the strays found on the way (when asked for)."""
-
-    steps: dict[str, list[int]] = field(default_factory=dict)
-    strays: list[Stray] = field(default_factory=list)
-    # Manifest-named files under stray run directories (``runs/a copy/ckpt/00000100.json``): not checkpoints, but
-    # whoever copied or renamed that directory may want it back, so gc keeps what they reference (strays only).
-    shadows: list[str] = field(default_factory=list)
-
-    @property
-    def runs(self) -> list[str]:
-        return sorted(self.steps)
-
-    @property
-    def incomplete(self) -> list[Stray]:
-        """Strays that may hide checkpoints (a dangling link, a directory that cannot be read): a walk that found
-        any did not see the whole repository."""
-        return [s for s in self.strays if s.unreadable]
-
-    def pairs(self) -> list[tuple[str, int]]:
-        return [(run, step) for run in self.runs for step in self.steps[run]]
 
 
 def scan(store: Store, run: str | None = None, *, strays: bool = False) -> Catalog:

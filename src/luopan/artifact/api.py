@@ -1,0 +1,279 @@
+"""Datasets and other artifacts: versioned, content-addressed files and directories with lineage, in the same
+repository as the checkpoints (docs/format.md §8.2).
+
+    art = repo.artifact("datasets/clean")
+    v = art.commit("data/clean/", parents=["datasets/raw@1"], metadata={"rows": 120000})
+    art.checkout("out/clean")                       # latest version; the directory appears atomically, verified
+    with art.open("part-0001.jsonl", version=2) as f: ...
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ..errors import ArtifactNotFoundError, CheckpointExistsError, UsageError
+from ..format.canonical import canonical
+from ..format.limits import MAX_MANIFEST_BYTES
+from ..format.names import artifact_manifest_key, check_artifact, check_version
+from ..repository.core import RepositoryCore
+from ..repository.locks import locked
+from ..repository.pins import add_pin, read_pins, remove_pin
+from ..repository.preflight import refuse
+from ..repository.pruning import prune_series
+from ..retention import Plan
+from ..store.base import KeyNotFound
+from ..repository.verify import raise_problems, verify_manifests
+from ..units import format_bytes
+from .checkout import VerifiedReader, checkout, file_refs
+from .kind import ARTIFACTS_KIND
+from .manifest import ARTIFACT_FORMAT_VERSION, parse_artifact_manifest, seal_artifact_manifest
+from .sources import collect
+from .writer import store_sources
+
+COMMIT_ATTEMPTS = 100  # versions tried when other writers commit the same artifact concurrently
+
+
+@dataclass(frozen=True)
+class ArtifactVersion:
+    """One committed version of an artifact."""
+
+    name: str
+    version: int
+    created: str
+    files: list[str]  # relative paths of its files, sorted
+    dirs: list[str]
+    logical_bytes: int  # bytes of its files
+    stored_bytes: int  # bytes of pack files this commit wrote (after compression, with framing)
+    new_bytes: int  # raw bytes of chunks this commit added to the repository
+    chunks: int
+    new_chunks: int
+    parents: list[str]
+    metadata: dict[str, Any]
+    root: str  # what was committed: "dir", "file" or "files" (a mapping)
+    manifest: str = field(repr=False)
+
+    @property
+    def ref(self) -> str:
+        """``NAME@VERSION``, as parents, ``inputs=`` and ``luopan lineage`` name it."""
+        return f"{self.name}@{self.version}"
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], key: str) -> ArtifactVersion:
+        s = doc["stats"]
+        files = sorted(e["path"] for e in doc["entries"] if e["type"] == "file")
+        dirs = sorted(e["path"] for e in doc["entries"] if e["type"] == "dir")
+        return cls(doc["name"], doc["version"], doc["created"], files, dirs, s["logical_bytes"], s["stored_bytes"],
+                   s["new_bytes"], s["chunks"], s["new_chunks"], list(doc["parents"]), dict(doc["metadata"]),
+                   doc["root"], key)
+
+
+class Artifact:
+    """A named artifact of a repository: ``repo.artifact("datasets/clean")``."""
+
+    def __init__(self, repo: Artifacts, name: str) -> None:
+        self.repo = repo
+        self.name = check_artifact(name)
+
+    def __repr__(self) -> str:
+        return f"<luopan.Artifact {self.name!r} in {self.repo.where}>"
+
+    # -- writing ------------------------------------------------------------------------------------------------
+    def commit(self, what: Any, *, parents: list[str] | None = None, metadata: dict[str, Any] | None = None,
+               progress: Callable[[int], Any] | None = None) -> ArtifactVersion:
+        """Store a directory, a file, or a ``{relative path: bytes}`` dict as the next version; returns it.
+
+        Files are cut into content-defined chunks, so a version that changed a little costs about what changed;
+        identical content gives a new version that writes nothing. Relative paths, file and directory modes, empty
+        files and empty directories are kept. Symbolic links, devices, FIFOs, sockets and paths escaping the
+        directory are refused (UnsupportedFileError naming them) before anything is written. ``parents``
+        (``"NAME@V"``, each must exist) record lineage; ``metadata`` is any JSON object. ``progress(n)`` is called with
+        the bytes of each chunk stored. The version becomes visible atomically when its manifest is durable; an
+        existing version is never overwritten.
+        """
+        repo = self.repo
+        repo.drain()
+        if isinstance(parents, str) or not isinstance(parents, (list, tuple, type(None))):
+            raise UsageError("parents must be a list of 'NAME@V' strings, e.g. parents=['datasets/raw@1']")
+        parent_refs = sorted({kind.ref(s, n) for kind, s, n in (repo.resolve(p, "parent") for p in parents or [])})
+        meta = _json_object("metadata", metadata)
+        collected = collect(what)
+        logical = sum(s.size for s in collected.files)
+        refuse(repo, repo.space_margin, logical, f"commit artifact {self.name!r}")
+        repo.require_format(ARTIFACT_FORMAT_VERSION)
+        with locked(repo.store, "shared", f"commit of artifact {self.name}", timeout=repo.lock_timeout,
+                    where=repo.where):
+            with repo.tier.saving() if repo.tier is not None else _Null():
+                stored = store_sources(repo.store, repo.config, repo.chunk_index(), repo._intact_packs,
+                                       collected.files, progress)
+            repo.learned(stored.new_locations, stored.index_key)
+            pack_ids: dict[str, int] = {}
+            entries: list[dict[str, Any]] = [{"path": p, "type": "dir", "mode": m} for p, m in collected.dirs]
+            for src, rows in zip(collected.files, stored.rows):
+                chunks = []
+                for h, size, x in rows:
+                    loc = stored.locations[h]
+                    chunks.append([h, pack_ids.setdefault(loc.pack, len(pack_ids)), loc.offset, loc.length, size,
+                                   loc.codec, x])
+                entries.append({"path": src.path, "type": "file", "mode": src.mode,
+                                "size": sum(r[1] for r in rows), "chunking": "cdc", "chunks": chunks})
+            entries.sort(key=lambda e: e["path"])
+            doc: dict[str, Any] = {
+                "format_version": ARTIFACT_FORMAT_VERSION, "kind": "artifact", "name": self.name, "version": 0,
+                "created": datetime.now(timezone.utc).isoformat(), "root": collected.root, "parents": parent_refs,
+                "metadata": meta, "packs": list(pack_ids), "entries": entries,
+                "stats": {"logical_bytes": sum(e.get("size", 0) for e in entries),
+                          "files": len(collected.files), "chunks": sum(len(r) for r in stored.rows),
+                          "new_chunks": stored.new_chunks, "new_bytes": stored.new_bytes,
+                          "stored_bytes": stored.stored_bytes, "new_packs": stored.new_packs},
+            }
+            version, key = self._put_next(doc)
+        if repo.tier is not None:
+            repo.tier.committed(ARTIFACTS_KIND, self.name, version)
+        return ArtifactVersion.from_doc(doc, key)
+
+    def _put_next(self, doc: dict[str, Any]) -> tuple[int, str]:
+        """Commit ``doc`` as the next free version (put_if_absent: a version is never overwritten)."""
+        store = self.repo.store
+        version = (self.numbers() or [0])[-1] + 1
+        for _ in range(COMMIT_ATTEMPTS):
+            doc["version"] = version
+            data = seal_artifact_manifest(doc)
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise UsageError(f"the manifest of artifact {self.name!r} would be {format_bytes(len(data))}, more "
+                                 f"than readers accept ({format_bytes(MAX_MANIFEST_BYTES)}): split it into several "
+                                 "artifacts")
+            key = artifact_manifest_key(self.name, version)
+            if store.put_if_absent(key, data):
+                return version, key
+            version += 1  # another writer committed this version meanwhile
+        raise CheckpointExistsError(f"artifact {self.name!r}: {COMMIT_ATTEMPTS} versions were committed by others "
+                                    "during this commit; commit again")
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def numbers(self) -> list[int]:
+        """Committed version numbers, ascending."""
+        return ARTIFACTS_KIND.scan(self.repo.store, self.name, False).steps.get(self.name, [])
+
+    def versions(self) -> list[ArtifactVersion]:
+        """Every committed version, oldest first."""
+        return [self.get(v) for v in self.numbers()]
+
+    def get(self, version: int | None = None) -> ArtifactVersion:
+        """One version (the latest when None)."""
+        doc, key = self._doc(version)
+        return ArtifactVersion.from_doc(doc, key)
+
+    def _doc(self, version: int | None) -> tuple[dict[str, Any], str]:
+        numbers = self.numbers()
+        if version is None:
+            if not numbers:
+                raise ArtifactNotFoundError(self._missing())
+            version = numbers[-1]
+        version = check_version(version)
+        key = artifact_manifest_key(self.name, version)
+        try:
+            data = self.repo.store.get_limited(key, MAX_MANIFEST_BYTES)
+        except KeyNotFound:
+            raise ArtifactNotFoundError(self._missing(version)) from None
+        return parse_artifact_manifest(data, key, self.name, version), key
+
+    def _missing(self, version: int | None = None) -> str:
+        numbers = self.numbers()
+        if not numbers:
+            names = self.repo.artifact_names()
+            have = f"artifacts here: {', '.join(names[:20])}" if names else "the repository has no artifacts yet"
+            return f"artifact {self.name!r} has no committed version ({have})"
+        return (f"artifact {self.name!r} has no version {version}; committed versions: "
+                f"{', '.join(map(str, numbers[-10:]))}")
+
+    def listing(self, version: int | None = None) -> list[dict[str, Any]]:
+        """The files and directories of a version: {"path", "type" ("file"/"dir"), "mode", "size" (files)}."""
+        doc, _key = self._doc(version)
+        return [{k: e[k] for k in ("path", "type", "mode", "size") if k in e} for e in doc["entries"]]
+
+    def checkout(self, dest: str | os.PathLike[str], version: int | None = None, *,
+                 progress: Callable[[int], Any] | None = None) -> str:
+        """Write a version (the latest when None) into the new directory ``dest``: every chunk is verified, files
+        are made durable, and the directory appears atomically (renamed into place whole). Returns its path."""
+        doc, _key = self._doc(version)
+        return checkout(self.repo.store, ARTIFACTS_KIND.label(self.name, doc["version"]), doc, dest, progress)
+
+    def open(self, path: str, version: int | None = None) -> io.BufferedReader:
+        """A binary file object streaming one file of a version (the latest when None), each chunk verified as it is
+        read: ``with art.open("part-0001.jsonl") as f: for line in f: ...``."""
+        doc, _key = self._doc(version)
+        for e in doc["entries"]:
+            if e["path"] == path and e["type"] == "file":
+                owner = ARTIFACTS_KIND.label(self.name, doc["version"])
+                return io.BufferedReader(VerifiedReader(self.repo.store, file_refs(owner, doc, e), e["size"], path),
+                                         buffer_size=1 << 20)
+        files = [e["path"] for e in doc["entries"] if e["type"] == "file"]
+        raise ArtifactNotFoundError(f"artifact {self.name!r} version {doc['version']} has no file {path!r}; it has "
+                                    f"{len(files)} file(s): {', '.join(files[:10])}{' …' if len(files) > 10 else ''}")
+
+    def verify(self, version: int | None = None, *, progress: Callable[[int], Any] | None = None) -> int:
+        """Read every chunk of one version (or of all of them when None) and check it; returns the bytes checked.
+        IntegrityError (``.problems``) names every damaged file and chunk."""
+        numbers = [check_version(version)] if version is not None else self.numbers()
+        if not numbers or (version is not None and version not in self.numbers()):
+            raise ArtifactNotFoundError(self._missing(version))
+        checked = verify_manifests(self.repo.store, self.repo.read_manifest,
+                                   [(ARTIFACTS_KIND, self.name, n) for n in numbers], progress=progress)
+        self.repo.forget_damaged(checked.chunk_problems)
+        raise_problems(checked.problems, checked)
+        return checked.bytes
+
+    # -- pins and pruning -----------------------------------------------------------------------------------------
+    def pin(self, version: int, tag: str | None = None) -> None:
+        """Protect ``version`` from pruning."""
+        add_pin(self.repo, ARTIFACTS_KIND, self.name, check_version(version), tag, ArtifactNotFoundError)
+
+    def unpin(self, version: int) -> bool:
+        return remove_pin(self.repo.store, ARTIFACTS_KIND, self.name, check_version(version))
+
+    def pins(self) -> dict[int, dict[str, Any]]:
+        return read_pins(self.repo.store, ARTIFACTS_KIND, self.name)
+
+    def prune(self, retention: Any, *, dry_run: bool = False) -> Plan:
+        """Remove the versions ``retention`` (luopan.retention rules, e.g. ``KeepLast(3)``) does not keep; the newest
+        and pinned ones always stay. Their chunks stay until ``gc``. Returns the Plan."""
+        return prune_series(self.repo, ARTIFACTS_KIND, self.name, retention, dry_run=dry_run,
+                            missing=ArtifactNotFoundError(self._missing()))
+
+
+class Artifacts(RepositoryCore):
+    """The artifact verbs of a repository (part of luopan.Repo)."""
+
+    def artifact(self, name: str) -> Artifact:
+        """The artifact ``name`` ("datasets/clean": run names joined by '/'); it exists once committed."""
+        return Artifact(self, name)
+
+    def artifact_names(self) -> list[str]:
+        """Names of the artifacts with at least one committed version, sorted."""
+        return ARTIFACTS_KIND.scan(self.store, None, False).runs
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _json_object(name: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{name} must be a dict of JSON values, got {type(value).__name__}")
+    try:
+        return json.loads(canonical(value))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"{name} must hold only JSON values (str, finite numbers, bool, None, lists, dicts with "
+                         f"str keys): {exc}") from None

@@ -1,0 +1,174 @@
+"""Storing an artifact's files: content-defined chunks (FastCDC), hashed on every core, deduplicated against the
+repository, packed, then indexed (docs/format.md §5.3, §10)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import blake3
+import numpy as np
+import xxhash
+from pyfastcdc import FastCDC
+
+from .._crash import crashpoint
+from ..format.config import RepoConfig
+from ..format.index import build_index
+from ..format.names import index_key
+from ..format.pack import BlobLocation
+from ..repository.packwriter import PackChecker, PackWriter, compressor, exists_quietly
+from ..repository.parallel import WORKERS, ordered_map
+from ..store.base import Store
+from .sources import Source
+
+# FastCDC sizes (docs/format.md §5.3): an insertion costs its own bytes plus about two average chunks around it.
+CDC_MIN = 64 << 10
+CDC_AVG = 256 << 10
+CDC_MAX = 1 << 20
+READ_BLOCK = 16 << 20  # bytes read from a file at a time (memory per file in flight stays bounded)
+INLINE_BYTES = 64 << 10  # smaller chunks are hashed on the calling thread (a handoff costs more)
+GROUP_BYTES = 8 << 20
+
+
+@dataclass
+class Stored:
+    """The chunks of each file, and what the commit added to the repository."""
+
+    rows: list[list[tuple[str, int, str]]]  # per source: (hash, size, xxh3) of each chunk, in order
+    locations: dict[str, BlobLocation]  # every chunk the rows name
+    new_locations: dict[str, BlobLocation] = field(default_factory=dict)
+    index_key: str | None = None
+    new_chunks: int = 0
+    new_bytes: int = 0
+    stored_bytes: int = 0
+    new_packs: int = 0
+
+
+class BufferPool:
+    """Read buffers, reused once nothing refers to them any more (no chunk view of one is still queued for hashing or
+    held by a pack being written). Buffers are not zero-filled (``numpy.empty``): zeroing fresh memory, then reading
+    over it, cost more than the reading."""
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray] = []
+
+    def get(self, size: int) -> memoryview:
+        for buf in self._buffers:
+            # References: the list, this loop's name, getrefcount's argument; a live view of it adds one.
+            if len(buf) >= size and sys.getrefcount(buf) == 3:
+                return memoryview(buf)
+        buf = np.empty(size, dtype=np.uint8)
+        self._buffers.append(buf)
+        return memoryview(buf)
+
+
+def cdc_chunks(stream: BinaryIO, size_hint: int | None = None, pool: BufferPool | None = None
+               ) -> Iterator[memoryview]:
+    """The content-defined chunks of a stream, read in blocks; a chunk cut only by a block's end is carried over, so
+    the cuts are those of the whole stream (each chunk's cut depends only on the bytes from its start). Each block is
+    read straight into a free buffer of ``pool`` (the chunks handed out are views of it); ``size_hint`` (the file's
+    size) keeps buffers of small files small."""
+    pool = pool or BufferPool()
+    cdc = FastCDC(avg_size=CDC_AVG, min_size=CDC_MIN, max_size=CDC_MAX)
+    carry = memoryview(b"")
+    left = READ_BLOCK if size_hint is None else max(size_hint, 1)
+    eof = False
+    while not eof:
+        want = min(READ_BLOCK, left) if left > 0 else READ_BLOCK  # past the hint (a file that grew): full blocks
+        end = len(carry) + want
+        view = pool.get(end)
+        view[: len(carry)] = carry
+        filled = len(carry)
+        carry = memoryview(b"")
+        while filled < end:
+            n = stream.readinto(view[filled:end])
+            if not n:
+                eof = True
+                break
+            filled += n
+        left -= filled
+        view = view[:filled]
+        if not filled:
+            return
+        cuts = [(c.offset, c.length) for c in cdc.cut_buf(view)]
+        if not eof:  # the last chunk may have been cut by the block's end: carry it into the next block
+            *cuts, (last_off, _last_len) = cuts
+            carry = view[last_off:]
+        for off, length in cuts:
+            yield view[off : off + length]
+
+
+def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocation],
+                  intact: dict[str, tuple[int, ...]], sources: list[Source],
+                  progress: Callable[[int], Any] | None = None) -> Stored:
+    """Write the chunks of every file source the repository lacks (packs, then one index file). On failure before
+    the index file is visible, the packs written are deleted again (nothing can reference them yet)."""
+    codec, level = config.compression.codec, config.compression.level
+    writer = PackWriter(store, config.pack_size, intact)
+    checker = PackChecker(store, intact)
+    rows: list[list[tuple[str, int, str]]] = [[] for _ in sources]
+    new: dict[str, tuple[Any, int, int, int, str]] = {}
+    out = Stored(rows, {})
+    index_name = None
+
+    buffers = BufferPool()
+
+    def items() -> Iterator[tuple[int, memoryview]]:
+        for i, src in enumerate(sources):
+            if src.size == 0 and src.data is None:
+                continue
+            with src.open() as f:
+                for chunk in cdc_chunks(f, src.size, buffers):
+                    yield i, chunk
+
+    def work(item: tuple[int, memoryview]) -> tuple[int, str, memoryview, int, str, str]:
+        i, view = item
+        h = blake3.blake3(view).hexdigest()
+        x = xxhash.xxh3_128_hexdigest(view)
+        if codec == "zstd" and h not in known:
+            z = compressor(level).compress(view)
+            if len(z) < len(view):
+                return i, h, memoryview(z), len(view), "zstd", x
+        return i, h, view, len(view), "none", x
+
+    pool = ThreadPoolExecutor(WORKERS, "luopan-artifact")
+    try:
+        with pool:
+            for i, h, stored, size, blob_codec, x in ordered_map(
+                    pool, work, items(), window=2 * WORKERS, inline=lambda item: len(item[1]) < INLINE_BYTES,
+                    group=lambda item: len(item[1]), group_size=GROUP_BYTES):
+                rows[i].append((h, size, x))
+                if progress is not None:
+                    progress(size)
+                if h in new:
+                    continue
+                if h in known:
+                    if checker.reusable(known[h]):
+                        continue
+                    del known[h]  # stale index entry: store the chunk again
+                builder, off = writer.add(h, stored, size, blob_codec)
+                new[h] = (builder, off, len(stored), size, blob_codec)
+                out.new_bytes += size
+                crashpoint("artifact.chunk.written")
+        writer.finish()
+        if writer.written:
+            index_id, index_bytes = build_index(writer.written)
+            index_name = index_key(index_id)
+            store.put_if_absent(index_name, index_bytes)
+    except BaseException:
+        writer.close()
+        if index_name is None or not exists_quietly(store, index_name):
+            writer.discard()
+        raise
+    writer.close()
+    for h, (builder, off, length, size, blob_codec) in new.items():
+        out.new_locations[h] = BlobLocation(builder.pack_id, off, length, size, blob_codec)
+    out.locations = {h: out.new_locations.get(h) or known[h] for r in rows for h, _s, _x in r}
+    out.index_key = index_name
+    out.new_chunks = len(new)
+    out.stored_bytes = writer.stored_bytes
+    out.new_packs = len(writer.written)
+    return out

@@ -1,0 +1,90 @@
+"""Checkpoint maintenance: ``verify``, ``prune`` (retention rules), replication status of a run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, UnreadableError
+from ..format.names import check_run, check_step
+from ..repository.verify import index_problems, raise_problems, verify_manifests
+from ..repository.pruning import prune_series
+from ..retention import Plan
+from .._compat import deprecated_alias
+from .info import VerifyReport
+from .kind import CHECKPOINTS
+from .reading import Reading
+from .saving import Saving
+
+
+class Maintaining(Saving, Reading):
+    """verify, prune and replication status of checkpoints (part of luopan.Repo)."""
+
+    def verify(
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        *,
+        progress: Callable[[int], Any] | None = None,
+        on_total: Callable[[int], Any] | None = None,
+    ) -> VerifyReport:
+        """Read every byte of the selected checkpoints and check every hash.
+
+        ``run=None``: the whole repository (every checkpoint, every artifact version, the index files);
+        ``step=None``: all checkpoints of the run. Each distinct chunk is read once. Raises IntegrityError naming
+        every damaged manifest, entry and chunk (``.problems`` lists them); returns a VerifyReport when all is well.
+        ``progress(n)`` is called with the bytes of each chunk checked, after ``on_total(total bytes)``.
+        """
+        if run is None and step is not None:
+            raise InvalidNameError("verify: a step needs a run")
+        if self._inflight is not None:  # let a background save finish before we touch the dedup map
+            self._inflight._future.exception()
+        if run is not None:
+            check_run(run)
+        if step is not None:
+            step = check_step(step)
+        strays = self.strays(run, everywhere=run is None)
+        problems: list[LuopanError] = [UnreadableError(f"cannot verify {s}: manifests there cannot be seen")
+                                       for s in strays if s.unreadable]
+        if run is None:
+            targets = [(kind, s, n) for kind in self.kinds for s, n in kind.scan(self.store, None, False).pairs()]
+        else:
+            targets = [(CHECKPOINTS, run, s) for s in ([step] if step is not None else self.steps(run))]
+        if run is not None and not targets and not problems:
+            raise CheckpointNotFoundError(self._no_checkpoint(run))
+        checked = verify_manifests(self.store, self.read_manifest, targets, progress=progress, on_total=on_total)
+        problems += checked.problems
+        self.forget_damaged(checked.chunk_problems)
+        if step is None:  # the runs' other files: record, eval logs, pins, latest ref
+            runs = {s for kind, s, _n in targets if kind is CHECKPOINTS} | ({run} if run else set())
+            for r in sorted(runs):
+                problems += self.run(r).problems()
+        if run is None:  # whole repository: the index files too (they steer deduplication)
+            problems += index_problems(self.store)
+        report = VerifyReport(len(targets), checked.chunks, checked.bytes, problems,
+                              [s for s in strays if not s.unreadable])
+        raise_problems(problems, report)
+        return report
+
+    def replication_status(self, run: str) -> dict[int, str]:
+        """step -> "local" | "replicating" | "replicated" | "remote" (evicted locally) | "cold" of a tiered repo."""
+        return self._tiered().status(CHECKPOINTS, check_run(run))
+
+    def prune(self, run: str, retention: Any = None, *, dry_run: bool = False, missing_metrics: str = "error",
+              rules: Any = None) -> Plan:
+        """Remove the checkpoints of ``run`` that ``retention`` (luopan.retention rules, e.g. ``KeepLast(3) |
+        KeepBest(1, "loss")``; the same name as ``CheckpointManager(retention=…)``) does not keep; returns the Plan.
+        ``rules=`` is the old name of ``retention`` (deprecated).
+
+        The newest checkpoint and pinned ones are always kept. A checkpoint is removed by deleting its manifest
+        (atomic: it exists until then, and is gone after); the chunks it alone used stay until `luopan gc`.
+        ``dry_run`` computes exactly the same plan and removes nothing (it takes no lock, so it needs no write
+        access and never waits). A `KeepBest` metric that no checkpoint of the run records as a number (a typo
+        such as ``Loss`` for ``loss``) is an error naming the metrics they do record, before anything is removed;
+        ``missing_metrics="ignore"`` lets such a rule keep nothing (CheckpointManager uses it while a metric has
+        not been logged yet).
+        """
+        retention = deprecated_alias(retention, rules, "retention", "rules")
+        check_run(run)
+        return prune_series(self, CHECKPOINTS, run, retention, dry_run=dry_run, missing_metrics=missing_metrics,
+                            missing=CheckpointNotFoundError(self._no_checkpoint(run)))

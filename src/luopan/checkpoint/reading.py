@@ -1,0 +1,204 @@
+"""Listing and reading checkpoints: runs, steps, manifests, ``load``, ``load_into``, ``export``, ``diff``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointNotFoundError, StateMismatchError
+from ..format.limits import MAX_MANIFEST_BYTES
+from ..format.manifest import Manifest, parse_manifest
+from ..format.names import check_run, check_step, manifest_key
+from ..repository.chunkio import read_chunks
+from ..repository.core import RepositoryCore
+from ..store.base import KeyNotFound, Stray
+from ..tree import flatten, new_array, unflatten
+from . import catalog
+from .export import diff_manifests, export_safetensors
+from .info import CheckpointInfo
+from .read import check_rows, entry_jobs
+
+
+class Reading(RepositoryCore):
+    """The listing and reading verbs of a repository (part of luopan.Repo)."""
+
+    # -- listing ------------------------------------------------------------------------------------------------
+    def runs(self) -> list[str]:
+        """Runs with at least one committed checkpoint (luopan.catalog: the walk every command shares)."""
+        return catalog.scan(self.store).runs
+
+    def steps(self, run: str) -> list[int]:
+        """Committed steps of ``run``, ascending (a checkpoint exists iff its manifest exists)."""
+        check_run(run)
+        return catalog.scan(self.store, run).steps.get(run, [])
+
+    def strays(self, run: str | None = None, *, everywhere: bool = False) -> list[Stray]:
+        """What lies under ``runs/`` (or ``run``'s directory; with ``everywhere``, anywhere in the repository) that is
+        not luopan's, each with the reason: skipped by every command, reported by ``luopan verify`` (docs/format.md
+        §2). A stray with ``unreadable`` set (a dangling link, a directory that cannot be read) may hide
+        checkpoints: gc refuses to run past it."""
+        if run is not None:
+            check_run(run)
+            return catalog.scan(self.store, run, strays=True).strays
+        seen = {s.key: s for s in catalog.scan(self.store, strays=True).strays}
+        if everywhere:  # a walk of every key: packs/ too (a full listing on an object store)
+            for s in self.store.strays(""):
+                if not s.key.startswith(catalog.RUNS):  # runs/ as the catalog sees it (its walk starts there)
+                    seen.setdefault(s.key, s)
+        return sorted(seen.values(), key=lambda s: s.key)
+
+    def manifest(self, run: str, step: int | None = None) -> Manifest:
+        """The parsed, verified manifest of a checkpoint (latest = highest committed step when ``step`` is None)."""
+        check_run(run)
+        if step is None:
+            steps = self.steps(run)
+            if not steps:
+                raise CheckpointNotFoundError(self._no_checkpoint(run))
+            step = steps[-1]
+        step = check_step(step)
+        key = manifest_key(run, step)
+        try:
+            data = self.store.get_limited(key, MAX_MANIFEST_BYTES)
+        except KeyNotFound:
+            raise CheckpointNotFoundError(self._no_checkpoint(run, step)) from None
+        return parse_manifest(data, key, run, step)
+
+    def _no_checkpoint(self, run: str, step: int | None = None) -> str:
+        steps = self.steps(run)
+        if not steps:
+            runs = self.runs()
+            have = f"runs here: {', '.join(runs)}" if runs else "the repository has no checkpoints yet"
+            return f"run {run!r} has no committed checkpoint ({have})"
+        shown = ", ".join(map(str, steps[-10:]))
+        return f"run {run!r} has no checkpoint at step {step}; committed steps: {shown}"
+
+    def checkpoints(self, run: str) -> list[CheckpointInfo]:
+        """Committed checkpoints of ``run``, oldest step first. A damaged manifest raises CorruptManifestError."""
+        out = []
+        for step in self.steps(run):
+            m = self.manifest(run, step)
+            out.append(CheckpointInfo.from_manifest(m, manifest_key(run, step)))
+        return out
+
+    # -- loading ------------------------------------------------------------------------------------------------
+    def load(self, run: str, step: int | None = None) -> Any:
+        """The state tree of a checkpoint (latest when ``step`` is None), every chunk verified as it is read."""
+        m = self.manifest(run, step)
+        sizes = check_rows(self.store, m)  # every row within its pack before any buffer is sized by the manifest
+        objs: list[Any] = [None] * len(m.entries)
+        jobs: list[Any] = []
+        for i, e in enumerate(m.entries):
+            if "alias_of" in e:
+                continue
+            obj, view = new_array(e["kind"], e["dtype"], e["shape"])
+            objs[i] = obj
+            jobs += entry_jobs(self.store, m, i, view, sizes)  # row deltas: each base chunk patched as it is read
+        read_chunks(self.store, jobs, sizes=sizes)
+        for i, e in enumerate(m.entries):
+            if "alias_of" in e:
+                objs[i] = objs[e["alias_of"]]
+            elif e.get("scalar"):
+                objs[i] = objs[i][()]
+        return unflatten(m.tree, objs.__getitem__)
+
+    def load_into(self, run: str, target: Any, step: int | None = None, *, strict: bool = True) -> Any:
+        """Restore checkpoint ``step`` of ``run`` (latest when None) into an existing state tree ``target``, in place
+        (tensors are written, not replaced).
+
+        Every mismatch (missing/unexpected keys, shapes, dtypes) is checked and reported together before any
+        tensor is touched. Each chunk is verified before it is copied into the target, so a damaged chunk is
+        never written into it (an IntegrityError can still leave earlier tensors updated). With
+        ``strict=False``, keys present on only one side are skipped. Returns ``target``.
+        """
+        m = self.manifest(run, step)
+        stored = {e["path"]: (i, e) for i, e in enumerate(m.entries)}
+        _, leaves = flatten(target)
+        problems = []
+        plan = []
+        target_paths = set()
+        for leaf in leaves:
+            target_paths.add(leaf.path)
+            hit = stored.get(leaf.path)
+            if hit is None:
+                if strict:
+                    problems.append(f"missing in checkpoint: {leaf.path!r}")
+                continue
+            i, e = hit
+            if e["kind"] != leaf.kind or e["dtype"] != leaf.dtype or list(e["shape"]) != list(leaf.shape):
+                problems.append(
+                    f"{leaf.path!r}: checkpoint has {e['kind']} {e['dtype']}{tuple(e['shape'])}, "
+                    f"target has {leaf.kind} {leaf.dtype}{tuple(leaf.shape)}"
+                )
+                continue
+            if leaf.scalar:
+                problems.append(f"{leaf.path!r}: a NumPy scalar cannot be updated in place; use load()")
+                continue
+            plan.append((leaf, e.get("alias_of", i)))
+        if strict:
+            problems += [f"unexpected in checkpoint (not in target): {p!r}" for p in stored if p not in target_paths]
+        if problems:
+            raise StateMismatchError(
+                f"cannot load run {run!r} step {m.step} into the target ({len(problems)} problem(s)):\n  "
+                + "\n  ".join(problems)
+                + "\nfix the target, or pass strict=False to load only the keys both sides have"
+            )
+        jobs: list[Any] = []
+        copies = []
+        sizes = check_rows(self.store, m, [i for _leaf, i in plan])
+        for leaf, i in plan:
+            dest = writable_bytes(leaf)
+            if dest is None:  # non-contiguous / device / conj target: read fresh, then copy_ into it
+                e = m.entries[i]
+                fresh, dest = new_array(e["kind"], e["dtype"], e["shape"])
+                copies.append((leaf, fresh))
+            jobs += entry_jobs(self.store, m, i, dest, sizes)
+        read_chunks(self.store, jobs, via_scratch=True, sizes=sizes)  # one batch on both cores; verified before copying
+        for leaf, fresh in copies:
+            if leaf.kind == "torch":
+                with sys.modules["torch"].no_grad():
+                    leaf.obj.copy_(fresh)
+            else:
+                leaf.obj[...] = fresh
+        return target
+
+    def export(
+        self,
+        run: str,
+        path: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        subtree: str | None = None,
+        progress: Callable[[int], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Write checkpoint ``step`` of ``run`` (latest when None), or the tensors under key path ``subtree`` (e.g.
+        ``"model"``), to one safetensors file at ``path``.
+
+        Streams verified chunks, so it needs little memory; the file appears atomically. Tied tensors are written
+        under each name. Non-tensor leaves are not exported. ``progress(n)`` is called with the bytes of each chunk
+        written. Returns {"path", "tensors", "bytes"}.
+        """
+        return export_safetensors(self.store, self.manifest(run, step), path, subtree, progress)
+
+    def diff(self, run: str, step: int, to_step: int) -> dict[str, Any]:
+        """Entries changed, added and removed from checkpoint ``step`` to ``to_step`` of a run, with the bytes that
+        differ."""
+        return diff_manifests(self.manifest(run, step), self.manifest(run, to_step))
+
+
+def writable_bytes(leaf: Any) -> memoryview | None:
+    """A flat writable byte view of a target tensor/array's memory, or None when it has none (then copy)."""
+    dest = leaf.obj
+    if leaf.nbytes == 0:
+        return memoryview(bytearray())
+    if leaf.kind == "numpy":
+        if dest.flags.c_contiguous and dest.flags.writeable and dest.dtype.byteorder != ">":
+            return memoryview(dest.reshape(-1).view(np.uint8))
+        return None
+    if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+        torch = sys.modules["torch"]
+        return memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
+    return None

@@ -1,0 +1,305 @@
+"""Saving checkpoints: ``save`` and ``save_async`` around one SaveRequest, the space preflight, the commit under the
+shared lock (docs/format.md §9.2, §10)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import threading
+import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    LuopanError,
+    UnsupportedFormatError,
+    UnsupportedValueError,
+)
+from ..format.canonical import canonical
+from ..format.chunking import chunk_spans
+from ..format.manifest import Manifest, Row, encode_metrics
+from ..format.names import check_run, check_step, manifest_key
+from ..repository.core import RepositoryCore
+from ..repository.locks import locked
+from ..repository.packwriter import PackChecker
+from ..repository.preflight import fits, refuse
+from ..tree import flatten
+from .buffers import HostBuffers
+from .info import CheckpointInfo, SaveHandle
+from .kind import CHECKPOINTS
+from .request import SaveRequest, check_json, entries_by_path, same_version, tensor_versions, touched_hints
+from .rowdelta import DeltaPolicy, RowTrack
+from .runrecord import Run
+from .save import WriteContext, write_checkpoint
+
+
+class Saving(RepositoryCore):
+    """The save verbs of a repository (part of luopan.Repo)."""
+
+    def _init_saving(self, delta_policy: DeltaPolicy | None) -> None:
+        self.delta_policy = delta_policy or DeltaPolicy()
+        self._previous: dict[str, dict[str, dict[str, Any]]] = {}  # run -> path -> entry of its last save
+        self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
+        self._recorded: set[str] = set()  # runs whose record this process has written or found
+        self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
+        self._buffers = HostBuffers()
+        self._worker: ThreadPoolExecutor | None = None
+        self._inflight: SaveHandle | None = None
+
+    def _release(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self._buffers.clear()
+        self._versions.clear()
+        self._tracks.clear()
+        super()._release()
+
+    def check_inputs(self, inputs: list[str] | None) -> list[str]:
+        """``inputs`` of a save checked: a list of ``NAME@N`` references to committed manifests (lineage)."""
+        if inputs is None:
+            return []
+        if isinstance(inputs, str) or not isinstance(inputs, (list, tuple)):
+            raise UnsupportedValueError(f"inputs must be a list of 'NAME@N' strings, got {type(inputs).__name__}")
+        out = []
+        for text in inputs:
+            kind, series, number = self.resolve(text)
+            out.append(kind.ref(series, number))
+        return sorted(set(out))
+
+    def run(self, name: str) -> Run:
+        """A run's record (written by its first save) and eval logs: ``repo.run("a").log_eval(step, metrics,
+        samples=[…])``."""
+        return Run(self, name)
+
+    def save(
+        self,
+        run: str,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        trust_versions: bool = False,
+        touched_rows: dict[str, Any] | None = None,
+        inputs: list[str] | None = None,
+    ) -> CheckpointInfo:
+        """Commit ``state`` as checkpoint ``step`` of ``run``; writes only chunks the repository lacks.
+
+        The checkpoint becomes visible atomically when its manifest is durable. Raises CheckpointExistsError if
+        the step exists (unless ``overwrite``), UnsupportedValueError for state luopan cannot store (naming the key
+        path), StorageFullError when the disk fills (nothing committed). Waits for a save_async in flight first
+        (and raises its error if nobody has seen it yet).
+
+        ``trust_versions=True`` (opt-in) skips reading torch tensors whose version counter has not moved since
+        this process saved the same tensor object for this run: free for frozen weights. Writes that bypass the
+        counter are then missed — silently stale data: ``t.data[...] = …``, writes through ``t.numpy()`` or DLPack
+        views, custom kernels, and **fused optimizers** (``torch.optim.AdamW(fused=True)``, HF
+        ``adamw_torch_fused``), which update weights and moments in place without moving it. Saving
+        ``{k: p.data}`` also defeats it (each ``.data`` has a fresh counter). Use it for state changed only by
+        ordinary (non-fused) in-place ops, e.g. a frozen base model next to a trained adapter.
+
+        Large tables (``repo.delta_policy``) whose rows change sparsely are stored as a row delta against an
+        earlier full version (docs/format.md §5.2); changed rows are found automatically. ``touched_rows={"emb.weight":
+        ids}`` (key paths as in ``luopan show``) names the rows the training loop changed since the previous save
+        of this run and skips that detection. A hint that misses a changed row in a chunk that also holds a
+        touched row stores that row stale in this checkpoint (the next save without a hint stores it), so pass
+        every row the optimizer wrote; a chunk that changed without any touched row is detected and handled
+        without the hint.
+
+        ``inputs=["datasets/train@2"]`` names what the checkpoint was made from (artifact versions or other
+        checkpoints, ``NAME@N``; each must exist): recorded in the manifest, shown by ``repo.lineage``.
+        """
+        self.drain()
+        return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions,
+                                          touched_rows, inputs))
+
+    def save_async(
+        self,
+        run: str,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        trust_versions: bool = False,
+        touched_rows: dict[str, Any] | None = None,
+        inputs: list[str] | None = None,
+    ) -> SaveHandle:
+        """Like ``save``, but returns as soon as the state is copied into reusable host buffers; hashing, packing
+        and writing happen on a background thread. The caller may change the state right after this returns.
+
+        One save is in flight at a time: this call first waits for the previous one. ``handle.wait()`` returns
+        the CheckpointInfo or raises the save's error; an error nobody waited for is raised by the next
+        ``save``/``save_async``/``close`` instead, never dropped. Bad input is still raised here, synchronously.
+        A process killed mid-persist leaves no visible checkpoint (the manifest is written last).
+        """
+        self.drain()
+        plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions, touched_rows, inputs)
+        # The only stall: one copy into reused host memory of everything tier 1 (trust_versions) cannot reuse for
+        # certain. Reusability is decided now, while the caller waits: the background save never reads live state.
+        if plan.unchanged:
+            checker = PackChecker(self.store, self._intact_packs)
+            known = self.chunk_index()
+            previous = self._previous_rows(run)
+            plan.unchanged = frozenset(i for i in plan.unchanged
+                                       if checker.entry_reusable(previous.get(plan.leaves[i].path), known))
+        plan.leaves = self._buffers.freeze(plan.leaves, plan.unchanged)
+        plan.snapshot = True
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, "luopan-save")
+            drain_at_exit(self)
+        handle = SaveHandle(self._worker.submit(self._commit, plan), plan.run, plan.step)
+        self._inflight = handle
+        return handle
+
+    def drain(self) -> None:
+        """Wait for the save in flight; raise its error if no caller has observed it."""
+        handle = self._inflight
+        if handle is None:
+            return
+        exc = handle._future.exception()  # wait first: if this is interrupted the save stays in flight
+        self._inflight = None
+        if exc is not None and not handle._observed:
+            handle._observed = True
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised by the background save_async of run {handle.run!r} step {handle.step})")
+            raise exc
+
+    def _prepare(self, run: str, step: int, state: Any, metrics: dict[str, Any] | None,
+                 metadata: dict[str, Any] | None, overwrite: bool, trust_versions: bool = False,
+                 touched_rows: dict[str, Any] | None = None, inputs: list[str] | None = None) -> SaveRequest:
+        """Check everything about a save before any byte is written; snapshot metrics and metadata."""
+        check_run(run)
+        step = check_step(step)
+        if not overwrite and self.store.exists(manifest_key(run, step)):
+            raise CheckpointExistsError(
+                f"run {run!r} already has a checkpoint at step {step}; pass overwrite=True to replace it"
+            )
+        check_json("metadata", metadata, dict)
+        try:
+            encoded_metrics = encode_metrics(metrics)
+        except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: .item() of a multi-element tensor
+            raise UnsupportedValueError(f"bad metrics: {exc}; pass numbers, str, bool or None") from None
+        check_json("metrics", encoded_metrics, dict)
+        skeleton, leaves = flatten(state)
+        # Everything that goes into the manifest is checked before any pack is written.
+        check_json("state", skeleton, dict)
+        metadata_copy = json.loads(canonical(metadata)) if metadata else None
+        versions = tensor_versions(leaves) if trust_versions else {}
+        seen = self._versions.get(run, {})
+        unchanged = frozenset(i for i, (path, rec) in versions.items()
+                              if path in seen and same_version(seen[path], rec))
+        plan = SaveRequest(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
+                           {path: rec for path, rec in versions.values()}, unchanged, touched_hints(touched_rows, leaves),
+                           inputs=self.check_inputs(inputs))
+        self._preflight(plan)
+        return plan
+
+    def _preflight(self, plan: SaveRequest) -> None:
+        """Refuse a save, before anything is written, when the store has less free space than ``space_margin`` times
+        the bytes it is expected to write (docs/format.md §10.4).
+
+        The estimate is an upper bound first — the state's bytes, minus tensors known unchanged (trust_versions) —
+        and only when that does not fit is it refined: each chunk's XXH3-128 is compared with the same chunk of the
+        run's previous checkpoint (this process's last save, else the newest on disk), and only chunks that differ
+        count. A save that writes more than estimated still fails cleanly when the disk fills.
+        """
+        logical = sum(leaf.nbytes for i, leaf in enumerate(plan.leaves)
+                      if leaf.alias_of is None and i not in plan.unchanged)
+        if fits(self, self.space_margin, logical):
+            return
+        refuse(self, self.space_margin, self._changed_bytes(plan), f"save run {plan.run!r} step {plan.step}")
+
+    def _changed_bytes(self, plan: SaveRequest) -> int:
+        """Bytes of the chunks of ``plan`` whose XXH3-128 differs from the same chunk of the run's previous
+        checkpoint (an estimate for the preflight; rows read from disk are fine for that, never for dedup)."""
+        previous = self._previous_rows(plan.run)
+        if not previous:
+            try:
+                previous = entries_by_path(self.manifest(plan.run).doc)
+            except (CheckpointNotFoundError, IntegrityError, UnsupportedFormatError):
+                previous = {}
+        total = 0
+        for i, leaf in enumerate(plan.leaves):
+            if leaf.alias_of is not None or i in plan.unchanged or leaf.nbytes == 0:
+                continue
+            prev = previous.get(leaf.path, {})
+            rows = prev.get("chunks", [])
+            on_host = leaf.kind != "torch" or leaf.frozen is not None or leaf.obj.is_cpu
+            if not rows or not on_host:  # new entry, or on a device (copying it here would cost a transfer)
+                total += leaf.nbytes
+                continue
+            data = leaf.host_bytes()
+            changed = 0
+            for k, (off, length) in enumerate(chunk_spans(leaf.nbytes, leaf.shape, self.config.chunk_size)[1]):
+                row = Row._make(rows[k]) if k < len(rows) else None
+                if row is None or row.size != length or row.xxh3 != xxhash.xxh3_128_hexdigest(data[off:off + length]):
+                    changed += length
+            if "delta" in prev:  # rows of a row delta's *base*: a sparse change touches most of them, but the save
+                changed = min(changed, int(self.delta_policy.rebase_fraction * leaf.nbytes))  # writes only rows
+            total += changed
+        return total
+
+    def _commit(self, plan: SaveRequest) -> CheckpointInfo:
+        # A shared lock: saves run side by side, prune/gc wait for them (and they for prune/gc), docs/format.md §9.2.
+        with locked(self.store, "shared", f"save of {plan.run} step {plan.step}", timeout=self.lock_timeout,
+                    where=self.where):
+            return self._commit_locked(plan)
+
+    def _commit_locked(self, plan: SaveRequest) -> CheckpointInfo:
+        if plan.run not in self._recorded:  # the run's record, once (docs/format.md §8.1)
+            try:
+                Run(self, plan.run).write_record()
+            except (OSError, ValueError, LuopanError) as exc:  # a record is context: never fail the save for it
+                warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
+            self._recorded.add(plan.run)
+        context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
+                               self._tracks.get(plan.run) or {}, self.delta_policy, self._intact_packs)
+        with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
+            result = write_checkpoint(context, plan)
+        self.learned(result.new_locations, result.index_key)
+        self._previous[plan.run] = entries_by_path(result.doc)
+        self._tracks[plan.run] = result.tracks
+        self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
+        if self.tier is not None:
+            self.tier.committed(CHECKPOINTS, plan.run, plan.step)  # queue it for background replication
+        return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
+
+    def _previous_rows(self, run: str) -> dict[str, dict[str, Any]]:
+        """Chunk rows this process wrote for the run's last save, for XXH3 change detection. Rows read from disk
+        are never used: a crafted manifest could map a public chunk's XXH3 to another chunk's BLAKE3 and poison
+        this process's saves, so the first save of a run in a process hashes everything."""
+        return self._previous.get(run, {})
+
+
+def drain_at_exit(repo: Saving) -> None:
+    """Finish a save_async in flight when the interpreter exits without close().
+
+    Registered with threading's exit hooks, which run (newest first) before concurrent.futures refuses new work at
+    shutdown; a plain atexit hook would run too late and the background commit would fail unseen. An error is
+    printed (the process is exiting) rather than lost.
+    """
+    ref = weakref.ref(repo)
+
+    def drain() -> None:
+        r = ref()
+        if r is None or r._inflight is None:
+            return
+        try:
+            r.drain()
+        except BaseException as exc:  # noqa: BLE001 - exiting: report, never swallow silently
+            sys.stderr.write(f"luopan: a background save failed at exit: {exc!r}\n")
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(drain)

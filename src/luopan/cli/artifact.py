@@ -1,0 +1,302 @@
+"""``luopan artifact commit|ls|log|checkout|verify|pin|unpin|prune`` and ``luopan lineage``: versioned files and
+directories (datasets, eval outputs) in the same repository as the checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ..artifact import Artifact, ArtifactVersion
+from ..errors import UsageError
+from ..format.names import check_artifact, check_version, is_artifact_name, is_run_name, parse_ref_text
+from ..retention import rules_from_flags
+from .app import JsonOpt, RepoOpt, app, emit_json, err, escape, handles_errors, human, open_repo, out, repo_location
+
+artifact_app = typer.Typer(help="Versioned files and directories (datasets, eval outputs) with lineage.",
+                           no_args_is_help=True)
+app.add_typer(artifact_app, name="artifact")
+
+
+def is_artifact_target(r: Any, name: str) -> bool:
+    """Whether NAME given to a checkpoint command (ls, pin, unpin, prune) means an artifact: a name with '/' (never a
+    run), or one with committed versions and no run of that name."""
+    if not is_artifact_name(name):
+        return False
+    if not is_run_name(name):
+        return True
+    return bool(r.artifact(name).numbers()) and not r.steps(name)
+
+
+def split_ref(text: str) -> tuple[str, int | None]:
+    """'NAME' -> (NAME, None); 'NAME@V' -> (NAME, V)."""
+    if "@" not in text:
+        return check_artifact(text), None
+    name, version = parse_ref_text(text, "artifact reference")
+    return check_artifact(name), check_version(version)
+
+
+@contextmanager
+def bar(what: str, total: int | None) -> Iterator[Any]:
+    """A transfer bar on stderr (shown while the work lasts; nothing is left behind)."""
+    with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task(what, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def version_json(v: ArtifactVersion) -> dict[str, Any]:
+    return {"name": v.name, "version": v.version, "ref": v.ref, "created": v.created, "root": v.root,
+            "files": len(v.files), "dirs": len(v.dirs), "logical_bytes": v.logical_bytes,
+            "stored_bytes": v.stored_bytes, "new_bytes": v.new_bytes, "chunks": v.chunks,
+            "new_chunks": v.new_chunks, "parents": v.parents, "metadata": v.metadata}
+
+
+def _meta(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--meta takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                out[key] = value
+    return out
+
+
+@artifact_app.command("commit")
+@handles_errors
+def commit(
+    *,
+    repo: RepoOpt = None,
+    name: Annotated[str, typer.Argument(help="Artifact name, e.g. datasets/clean (parts joined by '/').")],
+    path: Annotated[str, typer.Argument(help="Directory or file to commit.")],
+    parent: Annotated[list[str], typer.Option("--parent", metavar="NAME@V",
+                                              help="What this version was made from (repeatable).")] = [],  # noqa: B006
+    meta: Annotated[list[str], typer.Option("--meta", metavar="K=V",
+                                            help="Metadata to record (repeatable; numbers stay numbers).")] = [],  # noqa: B006
+    as_json: JsonOpt = False,
+) -> None:
+    """Commit PATH as the next version of artifact NAME; writes only chunks the repository lacks."""
+    r = open_repo(repo_location(repo))
+    with bar("committing", None) as advance:
+        v = r.artifact(name).commit(path, parents=parent or None, metadata=_meta(meta), progress=advance)
+    if as_json:
+        emit_json(version_json(v))
+        return
+    out.print(f"committed {v.ref}: {len(v.files)} file(s), {human(v.logical_bytes)}; wrote {human(v.stored_bytes)}",
+              highlight=False)
+
+
+@artifact_app.command("ls")
+@handles_errors
+def ls(
+    *,
+    repo: RepoOpt = None,
+    name: Annotated[Optional[str], typer.Argument(help="Artifact to list the files of (NAME or NAME@V); all "
+                                                       "artifacts when omitted.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List artifacts with their latest version, or the files of one version."""
+    r = open_repo(repo_location(repo))
+    if name is None:
+        rows = [(n, r.artifact(n).get()) for n in r.artifact_names()]
+        if as_json:
+            emit_json({"artifacts": [{**version_json(v), "versions": len(r.artifact(n).numbers())}
+                                     for n, v in rows]})
+            return
+        if not rows:
+            out.print("no artifacts yet")
+            return
+        t = Table(title=f"artifacts in {r.where}")
+        for col in ("artifact", "latest", "files", "size", "created"):
+            t.add_column(col, justify="right" if col in ("latest", "files", "size") else "left")
+        for n, v in rows:
+            t.add_row(n, str(v.version), str(len(v.files)), human(v.logical_bytes), v.created[:19])
+        out.print(t)
+        return
+    artifact_name, version = split_ref(name)
+    art = r.artifact(artifact_name)
+    v = art.get(version)
+    files = [(e["path"], e["mode"], e["size"]) for e in art.listing(v.version) if e["type"] == "file"]
+    if as_json:
+        emit_json({**version_json(v), "files": [{"path": p, "mode": oct(m), "size": s} for p, m, s in files]})
+        return
+    t = Table(title=f"{v.ref}")
+    for col in ("path", "mode", "size"):
+        t.add_column(col, justify="right" if col == "size" else "left")
+    for p, m, s in files:
+        t.add_row(escape(p), oct(m), human(s))
+    out.print(t)
+
+
+@artifact_app.command("log")
+@handles_errors
+def log(
+    *,
+    repo: RepoOpt = None,
+    name: Annotated[str, typer.Argument(help="Artifact name.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Every version of artifact NAME, oldest first, with what each wrote and its parents."""
+    r = open_repo(repo_location(repo))
+    art = r.artifact(name)
+    versions = art.versions()
+    if not versions:
+        raise typer.Exit(_missing(art))
+    pins = art.pins()
+    if as_json:
+        emit_json({"name": art.name, "versions": [{**version_json(v), "pinned": v.version in pins}
+                                                  for v in versions]})
+        return
+    t = Table(title=f"versions of {art.name}")
+    for col in ("version", "created", "files", "size", "written", "parents", "metadata"):
+        t.add_column(col, justify="right" if col in ("version", "files", "size", "written") else "left")
+    for v in versions:
+        t.add_row(str(v.version) + (" (pinned)" if v.version in pins else ""), v.created[:19], str(len(v.files)),
+                  human(v.logical_bytes), human(v.stored_bytes), ", ".join(v.parents),
+                  escape(" ".join(f"{k}={val}" for k, val in v.metadata.items())))
+    out.print(t)
+
+
+def _missing(art: Artifact) -> int:
+    err.print(f"[bold red]error:[/] {escape(art._missing())}")
+    return 4
+
+
+@artifact_app.command("checkout")
+@handles_errors
+def checkout(
+    *,
+    repo: RepoOpt = None,
+    ref: Annotated[str, typer.Argument(metavar="NAME[@V]", help="Artifact (latest version) or NAME@V.")],
+    dest: Annotated[str, typer.Argument(help="New directory to create (must not exist).")],
+) -> None:
+    """Write a version into the new directory DEST: every chunk verified, the directory appears whole."""
+    r = open_repo(repo_location(repo))
+    name, version = split_ref(ref)
+    art = r.artifact(name)
+    v = art.get(version)
+    with bar("checking out", v.logical_bytes) as advance:
+        path = art.checkout(dest, v.version, progress=advance)
+    out.print(f"checked out {v.ref} ({len(v.files)} file(s), {human(v.logical_bytes)}) to {path}", highlight=False)
+
+
+@artifact_app.command("verify")
+@handles_errors
+def verify(
+    *,
+    repo: RepoOpt = None,
+    ref: Annotated[str, typer.Argument(metavar="NAME[@V]", help="Artifact (every version) or NAME@V.")],
+) -> None:
+    """Read every chunk of an artifact's versions (or of NAME@V) and check it. Exit 3 and name the damage if any."""
+    r = open_repo(repo_location(repo))
+    name, version = split_ref(ref)
+    with bar("verifying", None) as advance:
+        checked = r.artifact(name).verify(version, progress=advance)
+    out.print(f"[green]ok[/]: {escape(ref)}: {human(checked)} read and verified")
+
+
+@artifact_app.command("pin")
+@handles_errors
+def pin(
+    *,
+    repo: RepoOpt = None,
+    ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The version to protect.")],
+    tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
+) -> None:
+    """Protect an artifact version: prune never removes a pinned version."""
+    name, version = split_ref(ref)
+    if version is None:
+        raise UsageError(f"pin needs a version: NAME@V, e.g. {name}@1")
+    open_repo(repo_location(repo)).artifact(name).pin(version, tag)
+    out.print(f"pinned {name}@{version}" + (f" as {tag!r}" if tag else ""), highlight=False)
+
+
+@artifact_app.command("unpin")
+@handles_errors
+def unpin(
+    *,
+    repo: RepoOpt = None,
+    ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The version to unpin.")],
+) -> None:
+    """Remove a version's pin (the version stays until a prune removes it)."""
+    name, version = split_ref(ref)
+    if version is None:
+        raise UsageError(f"unpin needs a version: NAME@V, e.g. {name}@1")
+    if not open_repo(repo_location(repo)).artifact(name).unpin(version):
+        err.print(f"[bold red]error:[/] {escape(ref)} is not pinned")
+        raise typer.Exit(4)
+    out.print(f"unpinned {name}@{version}", highlight=False)
+
+
+@artifact_app.command("prune")
+@handles_errors
+def prune(
+    *,
+    repo: RepoOpt = None,
+    name: Annotated[str, typer.Argument(help="Artifact to prune.")],
+    keep_last: Annotated[Optional[str], typer.Option("--keep-last", metavar="N",
+                                                     help="Keep the N newest versions.")] = None,
+    keep_every: Annotated[list[str], typer.Option("--keep-every", metavar="DURATION",
+                                                  help="Keep the newest version of each period, e.g. 7d.")] = [],  # noqa: B006
+    keep_tag: Annotated[list[str], typer.Option("--keep-tag", metavar="TAG",
+                                                help="Keep versions pinned with this tag.")] = [],  # noqa: B006
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove versions a retention policy does not keep (the newest and pinned ones always stay); `luopan gc` then
+    frees the chunks no other version or checkpoint uses."""
+    rules = rules_from_flags(keep_last=keep_last, keep_every=keep_every, keep_tag=keep_tag)
+    decided = open_repo(repo_location(repo)).artifact(name).prune(rules, dry_run=dry_run)
+    if as_json:
+        emit_json({"artifact": name, "dry_run": dry_run, "keep": {str(k): v for k, v in decided.keep.items()},
+                   "remove": decided.remove})
+        return
+    for line in decided.describe():
+        out.print(line, highlight=False)
+    if dry_run:
+        out.print("dry run: nothing removed")
+
+
+@app.command()
+@handles_errors
+def lineage(
+    *,
+    repo: RepoOpt = None,
+    ref: Annotated[str, typer.Argument(metavar="NAME@V", help="An artifact version or a checkpoint (run@step).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """What NAME@V was made from, up the graph, and the checkpoints and artifact versions that used it."""
+    r = open_repo(repo_location(repo))
+    lin = r.lineage(ref)
+    if as_json:
+        emit_json({"ref": lin.ref, "kind": lin.kind, "parents": lin.parents, "ancestors": lin.ancestors,
+                   "edges": [list(e) for e in lin.edges], "used_by": lin.used_by, "missing": lin.missing})
+        return
+    out.print(f"{lin.ref} ({lin.kind})", highlight=False)
+    parents: dict[str, list[str]] = {}
+    for child, parent in lin.edges:
+        parents.setdefault(child, []).append(parent)
+
+    def show(node: str, depth: int, seen: set[str]) -> None:
+        for p in parents.get(node, []):
+            gone = " (no longer in the repository)" if p in lin.missing else ""
+            out.print(f"{'  ' * depth}<- {p}{gone}", highlight=False)
+            if p not in seen:
+                show(p, depth + 1, seen | {p})
+
+    show(lin.ref, 1, {lin.ref})
+    for kind, refs in sorted(lin.used_by.items()):
+        for used in refs:
+            out.print(f"  -> {used} ({kind})", highlight=False)
+    if not lin.edges and not lin.used_by:
+        out.print("  no recorded parents or users", highlight=False)

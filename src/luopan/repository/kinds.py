@@ -1,0 +1,107 @@
+"""What the core knows of a kind: where its manifests live, how to read them, and which chunks they need.
+
+Every kind stores *series* of numbered manifests: a checkpoint run is a series of steps, an artifact a series of
+versions. The core (catalog, gc, verify, du, pins, retention, tiering) works on ``(series, number)`` pairs and
+manifest bytes through a ``Kind``; only the kind knows what its manifests mean. Every kind's manifest is a sealed JSON
+object with ``packs`` (pack ids) and ``entries`` whose ``chunks`` rows (and a row delta's ``index``/``values``) are
+chunk rows of docs/format.md §8: that contract is what gc marks from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..format.config import RepoConfig
+from ..format.manifest import rows_of
+from ..store.base import Store, Stray
+
+
+@dataclass
+class Catalog:
+    """Committed numbers by series (ascending), and the strays found on the way (when asked for)."""
+
+    steps: dict[str, list[int]] = field(default_factory=dict)
+    strays: list[Stray] = field(default_factory=list)
+    # Manifest-named files under stray series directories (``runs/a copy/ckpt/00000100.json``): not committed, but
+    # whoever copied or renamed that directory may want it back, so gc keeps what they reference (strays only).
+    shadows: list[str] = field(default_factory=list)
+
+    @property
+    def runs(self) -> list[str]:
+        """The series (runs, artifact names) with at least one committed manifest, sorted."""
+        return sorted(self.steps)
+
+    @property
+    def incomplete(self) -> list[Stray]:
+        """Strays that may hide manifests (a dangling link, a directory that cannot be read): a walk that found
+        any did not see the whole repository."""
+        return [s for s in self.strays if s.unreadable]
+
+    def pairs(self) -> list[tuple[str, int]]:
+        return [(series, n) for series in self.runs for n in self.steps[series]]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of manifest, as the core sees it (docs/format.md §2a)."""
+
+    name: str  # "checkpoint", "artifact": the manifest's kind in messages and tier markers
+    root: str  # the top-level key prefix of its manifests ("runs/", "artifacts/")
+    series_noun: str  # "run", "artifact"
+    number_noun: str  # "step", "version"
+    manifest_key: Callable[[str, int], str]
+    # (store, series or None, strays) -> Catalog: the one walk that finds committed manifests of this kind
+    scan: Callable[[Store, str | None, bool], Catalog]
+    # (data, key, series, number) -> parsed manifest document (sealed, validated; raises IntegrityError kinds)
+    parse: Callable[[bytes, str, str, int], dict[str, Any]]
+    pin_key: Callable[[str, int], str]
+    check_series: Callable[[str], str]  # raises InvalidNameError for a bad series name
+    # Other small files replicated with a manifest, before it: (key, size cap) (a run's record, the pin)
+    companions: Callable[[str, int], list[tuple[str, int]]] = lambda _s, _n: []
+    # Called after gc rewrote a manifest in place (a repack moved its chunks): refresh what names its bytes
+    rewritten: Callable[[Store, str, int, bytes], None] | None = None
+    marker: str = ""  # tier markers: tier/<state>/<marker><series>/<number>.json ("" for checkpoints)
+    # The "NAME@N" references a manifest names as what it was made from (lineage, docs/format.md §8.2)
+    inputs: Callable[[dict[str, Any]], list[str]] = lambda doc: list(doc.get("inputs", []))
+
+    def label(self, series: str, number: int) -> str:
+        return f"{self.series_noun} {series!r} {self.number_noun} {number}"
+
+    def ref(self, series: str, number: int) -> str:
+        return f"{series}@{number}"
+
+
+def rows_by_pack(doc: dict[str, Any]) -> dict[str, dict[str, tuple[int, int, int, str]]]:
+    """pack id -> chunk hash -> (offset, length, size, codec) of every chunk row a manifest document names."""
+    packs = doc["packs"]
+    out: dict[str, dict[str, tuple[int, int, int, str]]] = {}
+    for e in doc["entries"]:
+        for r in rows_of(e):
+            out.setdefault(packs[r.pack], {})[r.hash] = (r.offset, r.length, r.size, r.codec)
+    return out
+
+
+def all_series(store: Store, kinds: tuple[Kind, ...], *, strays: bool = False) -> Iterator[tuple[Kind, Catalog]]:
+    for kind in kinds:
+        yield kind, kind.scan(store, None, strays)
+
+
+class Opened(Protocol):
+    """What the core's operations (gc, pins, preflight, tiering) need of an open repository."""
+
+    store: Store
+    config: RepoConfig
+    lock_timeout: float | None
+    tier: Any
+    kinds: tuple[Kind, ...]
+
+    def drain(self) -> None:
+        """Wait for work of this process in flight (a background save) before the repository changes under it."""
+
+    def read_manifest(self, kind: Kind, series: str, number: int) -> dict[str, Any]:
+        """The parsed, verified manifest document of ``number`` of ``series``."""
+
+    def resolve(self, text: str, what: str = "input") -> tuple[Kind, str, int]:
+        """'NAME@N' -> (kind, series, number) of a committed manifest."""

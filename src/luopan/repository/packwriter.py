@@ -1,0 +1,148 @@
+"""Writing chunks into packs, for every kind: packs built and written on background threads, deduplication only
+against chunks whose pack is present and intact (docs/format.md §6, §10)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+
+from ..format.manifest import rows_of
+from ..format.names import pack_key
+from ..format.pack import BlobLocation, PackBuilder
+from ..store.base import KeyNotFound, Store
+from .chunkio import check_pack_trailer
+
+_tls = threading.local()
+PACK_WRITES_IN_FLIGHT = 3
+
+
+def compressor(level: int) -> zstandard.ZstdCompressor:
+    c = getattr(_tls, "zstd", None)
+    if c is None or _tls.zstd_level != level:
+        c = _tls.zstd = zstandard.ZstdCompressor(level=level)
+        _tls.zstd_level = level
+    return c
+
+
+@dataclass
+class PackWriter:
+    """Builds packs and writes full ones on background threads, up to PACK_WRITES_IN_FLIGHT at once.
+
+    One pack at a time left the disk idle while the next pack was copied into the page cache: the writer was busy
+    97% of a 1 GiB save (0.29 s copying + 0.48 s fsync, never overlapping). Three in flight overlap copy and fsync
+    (1.17 s -> 0.76 s here, on par with one plain write+fsync of the same bytes). Packs hold zero-copy views of the
+    state, so more in flight costs no memory for uncompressed repositories.
+    """
+
+    store: Store
+    pack_size: int
+    intact: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shared with the repo (see reusable())
+    builder: PackBuilder = field(default_factory=PackBuilder)
+    written: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # pack id -> blob records
+    created: list[str] = field(default_factory=list)  # packs this writer created (not ones that already existed)
+    stored_bytes: int = 0
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PACK_WRITES_IN_FLIGHT, "luopan-pack"))
+    _inflight: deque[Future[None]] = field(default_factory=deque)
+
+    def add(self, chunk_hash: str, stored: memoryview, size: int, codec: str) -> tuple[PackBuilder, int]:
+        """Append a blob; returns its builder (whose pack_id is set once flushed) and offset."""
+        b = self.builder
+        off = b.add(chunk_hash, stored, size, codec)
+        if b.nbytes >= self.pack_size:
+            self.flush()
+        return b, off
+
+    def flush(self) -> None:
+        b = self.builder
+        if not b.blobs:
+            return
+        self.builder = PackBuilder()
+        pack_id, parts, total = b.finish()
+        b.parts = []  # the write below holds the data until it is durable; the builder keeps only the layout
+        while len(self._inflight) >= PACK_WRITES_IN_FLIGHT:
+            self._inflight.popleft().result()
+        self.written[pack_id] = b.blobs
+        self.stored_bytes += total
+        self._inflight.append(self._pool.submit(self._write, pack_id, parts))
+
+    def _write(self, pack_id: str, parts: list[memoryview]) -> None:
+        # An existing pack with this id has the same chunks (its id hashes their hashes and layout): keep it.
+        if self.store.put_if_absent(pack_key(pack_id), parts):
+            self.created.append(pack_id)
+            sig = self.store.signature(pack_key(pack_id))
+            if sig is not None:  # we just wrote it whole: the next save need not re-read its trailer
+                self.intact[pack_id] = sig
+
+    def finish(self) -> None:
+        """Flush the last pack and wait until every pack is durable; raises the first write error."""
+        self.flush()
+        while self._inflight:
+            self._inflight.popleft().result()
+
+    def close(self) -> None:
+        """Wait for every write to end (errors were or will be raised by finish) and stop the threads."""
+        for f in self._inflight:
+            f.exception()
+        self._inflight.clear()
+        self._pool.shutdown(wait=True)
+
+    def discard(self) -> None:
+        """Remove packs this save created (only before any index names them). A pack that already existed may
+        belong to another writer's save of the same chunks, so it is never removed here."""
+        for pack_id in self.created:
+            try:
+                self.store.delete(pack_key(pack_id))
+            except OSError:
+                pass
+
+
+class PackChecker:
+    """Which stored chunks a save may deduplicate against (docs/format.md §10: never a missing or damaged one)."""
+
+    def __init__(self, store: Store, intact: dict[str, tuple[int, ...]]) -> None:
+        self.store = store
+        self.intact = intact  # pack id -> filesystem signature when found intact (shared across saves)
+        self.sizes: dict[str, int] = {}  # this save's verdicts: pack size, or -1
+
+    def reusable(self, loc: BlobLocation) -> bool:
+        """Dedup only against chunks whose pack is there, intact (trailer hashes to its id) and long enough, checked
+        once per pack per save (a few small reads): a deleted or truncated pack must not be referenced again,
+        and saving again repairs it. A pack this process already found intact (or wrote) is not re-read while its
+        filesystem signature (size, inode, mtime, ctime) is unchanged: one stat instead of three reads."""
+        sizes = self.sizes
+        if loc.pack not in sizes:
+            key = pack_key(loc.pack)
+            try:
+                sig = self.store.signature(key)
+                if sig is not None and self.intact.get(loc.pack) == sig:
+                    sizes[loc.pack] = sig[0]
+                elif check_pack_trailer(self.store, loc.pack) is None:
+                    sizes[loc.pack] = self.store.size(key)
+                    if sig is not None:
+                        self.intact[loc.pack] = sig
+                else:
+                    sizes[loc.pack] = -1
+            except KeyNotFound:
+                sizes[loc.pack] = -1
+            if sizes[loc.pack] < 0:
+                self.intact.pop(loc.pack, None)
+        return sizes[loc.pack] >= loc.offset + loc.length
+
+    def entry_reusable(self, entry: dict[str, Any] | None, known: dict[str, BlobLocation]) -> bool:
+        """Whether every chunk of a previous manifest entry (and of its row delta) can be referenced again."""
+        if not entry or "chunks" not in entry:
+            return False
+        return all(r.hash in known and self.reusable(known[r.hash]) for r in rows_of(entry))
+
+
+def exists_quietly(store: Store, key: str) -> bool:
+    try:
+        return store.exists(key)
+    except OSError:
+        return True  # unknown: assume visible, keep the packs
