@@ -175,7 +175,7 @@ def gc(
         return
     with err.status("gc: marking") as status:
         rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run,
-                   progress=lambda msg: status.update(f"gc: {msg}"))
+                   log=lambda msg: status.update(f"gc: {msg}"))
     would = "would " if dry_run else ""
     out.print(f"{rep.manifests} checkpoint(s) reference {rep.live_packs} of {rep.packs} pack(s) "
               f"({human(rep.live_bytes)} live of {human(rep.pack_bytes)})", highlight=False)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from .._compat import deprecated_alias
 from ..errors import (
     IntegrityError,
     InvalidNameError,
@@ -153,18 +154,20 @@ class RepositoryCore:
 
     # -- maintenance ----------------------------------------------------------------------------------------------
     def gc(self, *, grace: float | None = None, repack_below: float | None = None, dry_run: bool = False,
-           progress: Callable[[str], Any] | None = None) -> GcReport:
+           log: Callable[[str], Any] | None = None, progress: Callable[[str], Any] | None = None) -> GcReport:
         """Delete packs no manifest of any kind needs and repack mostly-dead ones (docs/format.md §10.3).
 
         Two-phase: unreferenced packs are first condemned, and deleted by a gc run at least ``grace`` seconds
         (default 1 h) later if still unreferenced; ``grace=0`` condemns and deletes in one run (use it when nothing
         else reads the repository). Packs whose live blobs fill less than ``repack_below`` (default 0.5) are
-        rewritten. Takes the exclusive lock (writes wait). A tiered repository collects its local tier. Returns a
-        GcReport.
+        rewritten. Takes the exclusive lock (writes wait). A tiered repository collects its local tier. ``log(msg)``
+        is called with a line as each phase starts (``progress=`` is its old name: every other ``progress`` callback
+        of luopan takes a number of bytes done). Returns a GcReport.
         """
+        log = deprecated_alias(log, progress, "log", "progress")
         return collect(self, grace=DEFAULT_GRACE if grace is None else grace,
                        repack_below=DEFAULT_REPACK_BELOW if repack_below is None else repack_below,
-                       dry_run=dry_run, progress=progress)
+                       dry_run=dry_run, log=log)
 
     def du(self) -> dict[str, int]:
         """Logical bytes over every manifest of every kind vs physical bytes in the store (``checkpoints``,

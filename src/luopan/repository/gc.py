@@ -140,7 +140,7 @@ def collect(
     repack_below: float = DEFAULT_REPACK_BELOW,
     dry_run: bool = False,
     now: float | None = None,
-    progress: Callable[[str], Any] | None = None,
+    log: Callable[[str], Any] | None = None,
 ) -> GcReport:
     """Run garbage collection on ``repo`` (see the module docstring); returns a GcReport.
 
@@ -159,14 +159,14 @@ def collect(
     # replication is read afresh when its turn comes.
     store = repo.tier.local if repo.tier is not None else repo.store
     if dry_run:
-        return _collect(store, repo, grace, repack_below, True, now, progress)
+        return _collect(store, repo, grace, repack_below, True, now, log)
     with locked(store, "exclusive", "gc", timeout=repo.lock_timeout, where=store.describe()):
-        return _collect(store, repo, grace, repack_below, False, now, progress)
+        return _collect(store, repo, grace, repack_below, False, now, log)
 
 
 def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_run: bool, now: float | None,
-             progress: Callable[[str], Any] | None) -> GcReport:
-    say = progress or (lambda _msg: None)
+             log: Callable[[str], Any] | None) -> GcReport:
+    say = log or (lambda _msg: None)
     report = GcReport(dry_run=dry_run, grace=grace)
     clock = time.perf_counter()
 
