@@ -447,3 +447,116 @@ def test_readme_artifact_examples_run_as_written(tmp_path, child_env):
     with luopan.open(tmp_path / "ckpts") as repo:
         assert [v.version for v in repo.artifact("datasets/clean").versions()] == [2]
         assert repo.lineage("datasets/clean@2").parents == ["datasets/raw@1"]
+
+
+# -- review findings: tiers, limits, hostile input ----------------------------------------------------------------
+
+def test_tiered_artifacts_replicate_evict_and_read_back(tmp_path):
+    """Replicated, evicted locally (local_retention), collected by gc, then read back from the remote."""
+    from luopan.format import FORMAT_VERSION
+    from luopan.format.canonical import unseal
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with luopan.open(local, replicate_to=str(remote), local_retention=luopan.retention.KeepLast(1)) as repo:
+        art = repo.artifact("ds/x")
+        payloads = [os.urandom(300_000) for _ in range(3)]
+        for p in payloads:
+            art.commit({"f.bin": p})
+        assert repo.wait_replicated(timeout=60)
+        assert repo._tiered().status(repo.kinds[0], "ds/x") == {1: "remote", 2: "remote", 3: "replicated"}
+        repo.gc(grace=0)  # frees what eviction left locally
+        with art.open("f.bin", version=1) as f:  # read (and verified) from the remote
+            assert f.read() == payloads[0]
+        assert tree_of(art.checkout(tmp_path / "v2", 2)) == {"f.bin": ("file", 0o644, payloads[1])}
+        assert art.commit({"f.bin": b"new"}).version == 4  # numbers of evicted versions are never reused
+        assert repo.wait_replicated(timeout=60)
+    # the remote is a repository of its own, at the format its artifacts need (older readers refuse it)
+    assert unseal((remote / "luopan.json").read_bytes())["format_version"] == FORMAT_VERSION == 3
+    with luopan.open(remote, create=False) as there:
+        assert [v.version for v in there.artifact("ds/x").versions()] == [1, 2, 3, 4]
+        there.verify()
+
+
+def test_version_numbers_of_cold_versions_are_never_reused(tmp_path):
+    import shutil
+    from datetime import datetime, timedelta, timezone
+
+    local, remote, cold = tmp_path / "local", tmp_path / "remote", tmp_path / "cold"
+    with luopan.open(local, replicate_to=str(remote),
+                     cold=luopan.ColdPolicy(str(cold), older_than="1d")) as repo:
+        art = repo.artifact("ds/x")
+        art.commit({"f": b"first"})
+        assert repo.wait_replicated(timeout=60)
+        assert repo.apply_cold_policy(datetime.now(timezone.utc) + timedelta(days=2)) == [("ds/x", 1)]
+        shutil.rmtree(cold)  # the cold store out of reach: listing it finds nothing
+        v = art.commit({"f": b"second"})
+        assert v.version == 2
+
+
+def test_many_small_files_and_few_file_descriptors(tmp_path, child_env):
+    src = tmp_path / "src"
+    for d in range(30):
+        os.makedirs(src / f"d{d}")
+        for f in range(100):
+            (src / f"d{d}" / f"{f}.txt").write_bytes(b"%d/%d\n" % (d, f) * (f + 1))
+    script = f"""
+import resource, luopan
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+repo = luopan.open({str(tmp_path / 'repo')!r})
+v = repo.artifact("many").commit({str(src)!r})
+assert len(v.files) == 3000, len(v.files)
+repo.artifact("many").checkout({str(tmp_path / 'out')!r})
+print("ok")
+"""
+    proc = subprocess.run([PYTHON, "-c", script], env=child_env, capture_output=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout == b"ok\n", proc.stderr.decode()[-3000:]
+    assert tree_of(tmp_path / "out") == tree_of(src)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can commit a file it owns with setuid in a test")
+def test_checkout_never_restores_setuid_or_setgid(repo, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tool").write_bytes(b"#!/bin/sh\n")
+    os.chmod(src / "tool", 0o6755)
+    assert repo.artifact("x").commit(src).version == 1
+    assert repo.artifact("x").listing()[0]["mode"] == 0o6755  # recorded as it was
+    out = repo.artifact("x").checkout(tmp_path / "out")
+    assert stat.S_IMODE(os.stat(os.path.join(out, "tool")).st_mode) == 0o755
+
+
+def test_bad_arguments_are_luopan_errors(repo, tmp_path):
+    art = repo.artifact("x")
+    art.commit({"a": b"1"})
+    for bad in (None, 5, ""):
+        with pytest.raises(luopan.ArgumentTypeError):
+            art.checkout(bad)
+    strided = memoryview(np.zeros((4, 4))[:, ::2])
+    with pytest.raises(luopan.ArgumentTypeError, match="contiguous"):
+        art.commit({"s": strided})
+    with pytest.raises(luopan.UsageError, match="parents"):
+        art.commit({"a": b"2"}, parents="x@1")
+    with pytest.raises(luopan.UsageError, match="metadata"):
+        art.commit({"a": b"2"}, metadata={"x": float("nan")})
+    with pytest.raises(luopan.ArtifactNotFoundError, match="does not exist"):
+        art.commit(tmp_path / "missing")
+    with pytest.raises(luopan.InvalidNameError, match="8 parts"):
+        repo.artifact("/".join("abcdefghi"))
+    assert repo.artifact("/".join("abcdefgh")).commit({"a": b"1"}).version == 1
+    assert [v.version for v in art.versions()] == [1]
+
+
+def test_whole_repository_verify_checks_artifact_pins(repo):
+    art = repo.artifact("ds/x")
+    art.commit({"a": b"1"})
+    art.pin(1, tag="keep")
+    repo.verify()
+    from luopan.format.names import artifact_pin_key
+
+    path = os.path.join(repo.store.root, artifact_pin_key("ds/x", 1))
+    with open(path, "r+b") as f:
+        f.seek(5)
+        f.write(b"#")
+    with pytest.raises(luopan.IntegrityError) as exc:
+        repo.verify()
+    assert any("refs/pins/_artifacts/ds/x/00000001.json" in str(p) for p in exc.value.problems)

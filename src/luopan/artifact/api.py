@@ -17,23 +17,23 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import ArtifactNotFoundError, CheckpointExistsError, UsageError
+from ..errors import ArtifactNotFoundError, CheckpointExistsError, LuopanError, UsageError
 from ..format.canonical import canonical
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.names import artifact_manifest_key, check_artifact, check_version
 from ..repository.core import RepositoryCore
 from ..repository.locks import locked
 from ..repository.pins import add_pin, read_pins, remove_pin
-from ..repository.preflight import refuse
+from ..repository.preflight import fits, refuse
 from ..repository.pruning import prune_series
-from ..retention import Plan
+from ..retention import Plan, Rules
 from ..store.base import KeyNotFound
 from ..repository.verify import raise_problems, verify_manifests
 from ..units import format_bytes
 from .checkout import VerifiedReader, checkout, file_refs
 from .kind import ARTIFACTS_KIND
 from .manifest import ARTIFACT_FORMAT_VERSION, parse_artifact_manifest, seal_artifact_manifest
-from .sources import collect
+from .sources import Collected, collect
 from .writer import store_sources
 
 COMMIT_ATTEMPTS = 100  # versions tried when other writers commit the same artifact concurrently
@@ -103,8 +103,7 @@ class Artifact:
         parent_refs = sorted({kind.ref(s, n) for kind, s, n in (repo.resolve(p, "parent") for p in parents or [])})
         meta = _json_object("metadata", metadata)
         collected = collect(what)
-        logical = sum(s.size for s in collected.files)
-        refuse(repo, repo.space_margin, logical, f"commit artifact {self.name!r}")
+        refuse(repo, repo.space_margin, self._estimate(collected), f"commit artifact {self.name!r}")
         repo.require_format(ARTIFACT_FORMAT_VERSION)
         with locked(repo.store, "shared", f"commit of artifact {self.name}", timeout=repo.lock_timeout,
                     where=repo.where):
@@ -137,11 +136,28 @@ class Artifact:
             repo.tier.committed(ARTIFACTS_KIND, self.name, version)
         return ArtifactVersion.from_doc(doc, key)
 
+    def _estimate(self, collected: Collected) -> int:
+        """Bytes the commit may write, for the space preflight: files whose path and size differ from the latest
+        version's (a file that kept both is most likely unchanged; a wrong guess still fails cleanly when the disk
+        fills)."""
+        total = sum(s.size for s in collected.files)
+        if not fits(self.repo, self.repo.space_margin, total) and self.numbers():
+            try:
+                before = {(e["path"], e.get("size")) for e in self.listing()}
+            except LuopanError:
+                return total
+            return sum(s.size for s in collected.files if (s.path, s.size) not in before)
+        return total
+
     def _put_next(self, doc: dict[str, Any]) -> tuple[int, str]:
         """Commit ``doc`` as the next free version (put_if_absent: a version is never overwritten)."""
         store = self.repo.store
         version = (self.numbers() or [0])[-1] + 1
         for _ in range(COMMIT_ATTEMPTS):
+            # A version that lives only on another tier (evicted, moved cold) is not listed here when that tier
+            # cannot be reached; exists() answers from the local tier's records, so its number is never reused.
+            while store.exists(artifact_manifest_key(self.name, version)):
+                version += 1
             doc["version"] = version
             data = seal_artifact_manifest(doc)
             if len(data) > MAX_MANIFEST_BYTES:
@@ -240,7 +256,7 @@ class Artifact:
     def pins(self) -> dict[int, dict[str, Any]]:
         return read_pins(self.repo.store, ARTIFACTS_KIND, self.name)
 
-    def prune(self, retention: Any, *, dry_run: bool = False) -> Plan:
+    def prune(self, retention: Rules, *, dry_run: bool = False) -> Plan:
         """Remove the versions ``retention`` (luopan.retention rules, e.g. ``KeepLast(3)``) does not keep; the newest
         and pinned ones always stay. Their chunks stay until ``gc``. Returns the Plan."""
         return prune_series(self.repo, ARTIFACTS_KIND, self.name, retention, dry_run=dry_run,

@@ -3,23 +3,32 @@ place once every chunk is verified and every file is durable; ``open`` streams o
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import os
 import secrets
 import shutil
+import socket
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._crash import crashpoint
 from .._process import pid_alive
-from ..errors import LuopanError, OutputPathError, StorageFullError
+from ..errors import ArgumentTypeError, LuopanError, OutputPathError, StorageFullError
 from ..format.manifest import Row
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
 from ..repository.parallel import WORKERS, ordered_map
 from ..store.base import Store
 
 TMP_INFIX = ".tmp-"
+CHECKOUT_MODE_MASK = 0o1777  # setuid and setgid are never restored: a repository from elsewhere plants no such binary
+OPEN_FILES = 32  # files written and waiting for their fsync at once (a dataset of 100,000 files stays far from ulimit)
+_HOST = socket.gethostname().replace("-", "_")
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
 
 
 def file_refs(owner: str, doc: dict[str, Any], entry: dict[str, Any]) -> list[ChunkRef]:
@@ -34,7 +43,11 @@ def _output_error(exc: OSError, path: str) -> OSError:
     return OutputPathError(exc.errno or 5, f"cannot write {path}: {exc.strerror or exc}; the checkout was removed")
 
 
-def check_destination(dest: str | os.PathLike[str]) -> str:
+def check_destination(dest: object) -> str:
+    if isinstance(dest, bytes):
+        dest = os.fsdecode(dest)
+    if not isinstance(dest, (str, os.PathLike)) or not os.fspath(dest):
+        raise ArgumentTypeError(f"a checkout destination must be a path (str or os.PathLike), got {dest!r}")
     out = os.path.abspath(os.fspath(dest))
     if os.path.lexists(out):
         raise OutputPathError(17, f"{out} already exists: check out into a new path (a checkout never merges into "
@@ -47,8 +60,8 @@ def check_destination(dest: str | os.PathLike[str]) -> str:
 
 
 def _remove_abandoned(parent: str, base: str) -> None:
-    """Temporary checkout directories of ``base`` left by dead processes (kill -9 mid-checkout)."""
-    prefix = f".{base}{TMP_INFIX}"
+    """Temporary checkout directories of ``base`` left by dead processes of this host (kill -9 mid-checkout)."""
+    prefix = f".{base}{TMP_INFIX}{_HOST}-"
     try:
         names = os.listdir(parent)
     except OSError:
@@ -69,13 +82,29 @@ def _fsync(path: str, flags: int = os.O_RDONLY) -> None:
         os.close(fd)
 
 
-def checkout(store: Store, owner: str, doc: dict[str, Any], dest: str | os.PathLike[str],
+def _rename_noreplace(src: str, dst: str) -> None:
+    """rename(2) that fails instead of replacing ``dst`` (renameat2 RENAME_NOREPLACE; a check, then rename, where the
+    kernel or filesystem lacks it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), dst)
+    if os.path.lexists(dst):
+        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
+
+
+def checkout(store: Store, owner: str, doc: dict[str, Any], dest: object,
              progress: Callable[[int], Any] | None = None) -> str:
     """Write every file and directory of a version under ``dest`` (which must not exist); returns its path."""
     out = check_destination(dest)
     parent, base = os.path.split(out)
     _remove_abandoned(parent, base)
-    tmp = os.path.join(parent, f".{base}{TMP_INFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = os.path.join(parent, f".{base}{TMP_INFIX}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.mkdir(tmp, 0o700)
     except OSError as exc:
@@ -83,9 +112,10 @@ def checkout(store: Store, owner: str, doc: dict[str, Any], dest: str | os.PathL
     try:
         _build(store, owner, doc, tmp, progress)
         crashpoint("artifact.checkout.built")
-        if os.path.lexists(out):
-            raise OutputPathError(17, f"{out} appeared while checking out: nothing was replaced")
-        os.rename(tmp, out)
+        try:
+            _rename_noreplace(tmp, out)
+        except FileExistsError:
+            raise OutputPathError(17, f"{out} appeared while checking out: nothing was replaced") from None
         _fsync(parent)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -103,34 +133,69 @@ def _build(store: Store, owner: str, doc: dict[str, Any], root: str, progress: C
         os.mkdir(os.path.join(root, e["path"]), 0o700)
     sizes = PackSizes(store)
     sizes.prefetch({doc["packs"][Row._make(r).pack] for e in files for r in e["chunks"]})
-    jobs = [(e, ref) for e in files for ref in file_refs(owner, doc, e)]
+    jobs = [(n, ref) for n, e in enumerate(files) for ref in file_refs(owner, doc, e)]
+    left = [len(e["chunks"]) for e in files]  # chunks still to write, per file
 
-    def fetch(job: tuple[dict[str, Any], ChunkRef]) -> tuple[dict[str, Any], bytearray]:
-        _e, ref = job
+    def fetch(job: tuple[int, ChunkRef]) -> tuple[int, bytearray]:
+        n, ref = job
+        sizes.check(ref)  # before the buffer is sized by the row
         buf = bytearray(ref.size)
         read_chunk(store, ref, memoryview(buf), sizes)  # verified before it reaches the file
-        return job[0], buf
+        return n, buf
 
-    handles: dict[str, Any] = {}
-    try:
-        for e in files:  # empty files too; each file is opened once, written in chunk order
-            handles[e["path"]] = open(os.path.join(root, e["path"]), "xb", buffering=0)  # noqa: SIM115
-        with ThreadPoolExecutor(WORKERS, "luopan-checkout") as pool:
-            for e, buf in ordered_map(pool, fetch, jobs, window=4 * WORKERS):
-                handles[e["path"]].write(buf)
-                if progress is not None:
-                    progress(len(buf))
-        with ThreadPoolExecutor(WORKERS, "luopan-fsync") as pool:
-            list(pool.map(lambda f: os.fsync(f.fileno()), handles.values()))
-    finally:
-        for f in handles.values():
+    def finish(f: Any, path: str, mode: int) -> None:
+        try:
+            os.fsync(f.fileno())
+        finally:
             f.close()
-    for e in files:
-        os.chmod(os.path.join(root, e["path"]), e["mode"])
+        os.chmod(path, mode & CHECKOUT_MODE_MASK)
+
+    slots = threading.BoundedSemaphore(OPEN_FILES)
+    syncs: list[Future[None]] = []
+    current: Any = None
+    with ThreadPoolExecutor(WORKERS, "luopan-fsync") as fsyncs:
+        def open_file(n: int) -> Any:
+            slots.acquire()
+            try:
+                return open(os.path.join(root, files[n]["path"]), "xb", buffering=0)  # noqa: SIM115
+            except BaseException:
+                slots.release()
+                raise
+
+        def close_file(n: int, f: Any) -> None:
+            def run() -> None:
+                try:
+                    finish(f, os.path.join(root, files[n]["path"]), files[n]["mode"])
+                finally:
+                    slots.release()
+            syncs.append(fsyncs.submit(run))
+
+        try:
+            for n in range(len(files)):  # empty files: no chunk will arrive for them
+                if not left[n]:
+                    close_file(n, open_file(n))
+            opened = -1
+            with ThreadPoolExecutor(WORKERS, "luopan-checkout") as pool:
+                for n, buf in ordered_map(pool, fetch, jobs, window=4 * WORKERS):
+                    if n != opened:  # chunks arrive in file order: each file is opened once, then closed
+                        current, opened = open_file(n), n
+                    current.write(buf)
+                    if progress is not None:
+                        progress(len(buf))
+                    left[n] -= 1
+                    if not left[n]:
+                        close_file(n, current)
+                        current = None
+        finally:
+            if current is not None:
+                current.close()
+                slots.release()
+    for f in syncs:
+        f.result()  # the first fsync/chmod error, if any
     for e in sorted(dirs, key=lambda e: -e["path"].count("/")):  # deepest first: a read-only one is set last
         path = os.path.join(root, e["path"])
         _fsync(path)
-        os.chmod(path, e["mode"])
+        os.chmod(path, e["mode"] & CHECKOUT_MODE_MASK)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(root, 0o777 & ~umask)
@@ -159,6 +224,7 @@ class VerifiedReader(io.RawIOBase):
             ref = next(self._refs, None)
             if ref is None:
                 return 0
+            self._sizes.check(ref)  # before the buffer is sized by the row
             chunk = bytearray(ref.size)
             read_chunk(self._store, ref, memoryview(chunk), self._sizes)
             self._buf = memoryview(chunk)

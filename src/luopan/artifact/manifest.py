@@ -23,6 +23,7 @@ MAX_ENTRIES = 1_000_000
 MAX_PATH_CHARS = 4096
 MAX_PARENTS = 1024
 MODE_MASK = 0o7777
+MAX_ARTIFACT_CHUNK = 16 << 20  # FastCDC's largest maximum: a row declaring more is damage (buffers sized by rows)
 ROOTS = ("dir", "file", "files")  # what was committed: a directory, one file, a {path: bytes} mapping
 _TOP = {"format_version": int, "kind": str, "name": str, "version": int, "created": str, "root": str,
         "parents": list, "metadata": dict, "packs": list, "entries": list, "stats": dict}
@@ -132,6 +133,8 @@ def parse_artifact_manifest(data: bytes, where: str, name: str | None = None,
             raise bad(f"file entry {path!r} lacks its size, chunks or chunking")
         if not all(_row_ok(r) for r in chunks):
             raise bad(f"file entry {path!r} has a malformed chunk row")
+        if any(r[4] > MAX_ARTIFACT_CHUNK for r in chunks):
+            raise bad(f"file entry {path!r} has a chunk larger than {MAX_ARTIFACT_CHUNK} bytes")
         held = chunk_bytes(chunks, len(packs), path, bad)
         if held != size:
             raise bad(f"file entry {path!r} chunks hold {held} bytes, expected {size}")

@@ -109,7 +109,11 @@ def _from_mapping(mapping: Mapping[Any, Any]) -> Collected:
             raise ArgumentTypeError(f"{path!r}: file contents must be bytes, got str (encode it, e.g. .encode())")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ArgumentTypeError(f"{path!r}: file contents must be bytes, got {type(data).__name__}")
-        view = memoryview(data).cast("B")
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:  # a non-contiguous view (a strided NumPy slice): its bytes are not one range
+            raise ArgumentTypeError(f"{path!r}: file contents must be contiguous bytes (copy a strided view with "
+                                    "bytes(...) first)") from None
         files.append(Source(path, DEFAULT_FILE_MODE, len(view), data=view))
         parts = path.split("/")
         dirs.update("/".join(parts[:k]) for k in range(1, len(parts)))

@@ -7,9 +7,10 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, UnreadableError
 from ..format.names import check_run, check_step
+from ..repository.pins import pin_problems
 from ..repository.verify import index_problems, raise_problems, verify_manifests
 from ..repository.pruning import prune_series
-from ..retention import Plan
+from ..retention import Plan, Rules
 from .._compat import deprecated_alias
 from .info import VerifyReport
 from .kind import CHECKPOINTS
@@ -59,7 +60,11 @@ class Maintaining(Saving, Reading):
             runs = {s for kind, s, _n in targets if kind is CHECKPOINTS} | ({run} if run else set())
             for r in sorted(runs):
                 problems += self.run(r).problems()
-        if run is None:  # whole repository: the index files too (they steer deduplication)
+        if run is None:  # whole repository: other kinds' pins, and the index files (they steer deduplication)
+            for kind in self.kinds:
+                if kind is not CHECKPOINTS:
+                    for series in kind.scan(self.store, None, False).runs:
+                        problems += pin_problems(self.store, kind, series)
             problems += index_problems(self.store)
         report = VerifyReport(len(targets), checked.chunks, checked.bytes, problems,
                               [s for s in strays if not s.unreadable])
@@ -70,8 +75,8 @@ class Maintaining(Saving, Reading):
         """step -> "local" | "replicating" | "replicated" | "remote" (evicted locally) | "cold" of a tiered repo."""
         return self._tiered().status(CHECKPOINTS, check_run(run))
 
-    def prune(self, run: str, retention: Any = None, *, dry_run: bool = False, missing_metrics: str = "error",
-              rules: Any = None) -> Plan:
+    def prune(self, run: str, retention: Rules | None = None, *, dry_run: bool = False,
+              missing_metrics: str = "error", rules: Rules | None = None) -> Plan:
         """Remove the checkpoints of ``run`` that ``retention`` (luopan.retention rules, e.g. ``KeepLast(3) |
         KeepBest(1, "loss")``; the same name as ``CheckpointManager(retention=…)``) does not keep; returns the Plan.
         ``rules=`` is the old name of ``retention`` (deprecated).

@@ -286,15 +286,16 @@ def lineage(
     parents: dict[str, list[str]] = {}
     for child, parent in lin.edges:
         parents.setdefault(child, []).append(parent)
-
-    def show(node: str, depth: int, seen: set[str]) -> None:
-        for p in parents.get(node, []):
-            gone = " (no longer in the repository)" if p in lin.missing else ""
-            out.print(f"{'  ' * depth}<- {p}{gone}", highlight=False)
-            if p not in seen:
-                show(p, depth + 1, seen | {p})
-
-    show(lin.ref, 1, {lin.ref})
+    shown = {lin.ref}
+    stack = [(p, 1) for p in reversed(parents.get(lin.ref, []))]  # depth first, each node's parents once
+    while stack:
+        node, depth = stack.pop()
+        gone = " (no longer in the repository)" if node in lin.missing else ""
+        again = " (shown above)" if node in shown and parents.get(node) else ""
+        out.print(f"{'  ' * min(depth, 40)}<- {node}{gone}{again}", highlight=False)
+        if node not in shown:
+            shown.add(node)
+            stack.extend((p, depth + 1) for p in reversed(parents.get(node, [])))
     for kind, refs in sorted(lin.used_by.items()):
         for used in refs:
             out.print(f"  -> {used} ({kind})", highlight=False)

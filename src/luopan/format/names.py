@@ -102,11 +102,12 @@ ARTIFACTS = "artifacts/"
 ARTIFACT_VERSIONS = "_v"
 ARTIFACT_PINS = "refs/pins/_artifacts/"
 MAX_ARTIFACT_NAME = 256
+MAX_ARTIFACT_PARTS = 8  # the deepest key is then 12 components (refs/pins/_artifacts/<8 parts>/<v>.json), within a walk
 
 
 def is_artifact_name(name: object) -> bool:
     return (isinstance(name, str) and 0 < len(name) <= MAX_ARTIFACT_NAME
-            and all(is_run_name(part) for part in name.split("/")))
+            and 0 < name.count("/") + 1 <= MAX_ARTIFACT_PARTS and all(is_run_name(part) for part in name.split("/")))
 
 
 def check_artifact(name: object) -> str:
@@ -116,8 +117,8 @@ def check_artifact(name: object) -> str:
         shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:80]) + "…"
         raise InvalidNameError(
             f"invalid artifact name {shown}: use parts of 1-128 ASCII letters, digits, '.', '_' and '-' (each starting "
-            f"with a letter or digit, without '.tmp-') joined by '/', at most {MAX_ARTIFACT_NAME} characters "
-            "(e.g. 'datasets/clean')")
+            f"with a letter or digit, without '.tmp-') joined by '/', at most {MAX_ARTIFACT_PARTS} parts and "
+            f"{MAX_ARTIFACT_NAME} characters (e.g. 'datasets/clean')")
     return name  # type: ignore[return-value]
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._compat import deprecated_alias
 from ..errors import (
@@ -32,6 +32,9 @@ from .lineage import Lineage, lineage
 from .locks import DEFAULT_TIMEOUT
 from .preflight import DEFAULT_SPACE_MARGIN
 
+if TYPE_CHECKING:  # pragma: no cover  (tier.py attaches itself to an open repository: no import at run time)
+    from .tier import Tier
+
 
 class RepositoryCore:
     """A luopan repository, kind-agnostic part. Not safe for concurrent writes from several threads of one process."""
@@ -43,7 +46,7 @@ class RepositoryCore:
         self.config = config
         self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a write waits for prune/gc (None: forever)
         self.space_margin: float = DEFAULT_SPACE_MARGIN  # preflight: free space needed / estimated bytes (0: off)
-        self.tier: Any = None  # luopan.repository.tier.Tier of a tiered repository (docs/format.md §10.2)
+        self.tier: Tier | None = None  # the tiering of a tiered repository (docs/format.md §10.2)
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
         self._intact_packs: dict[str, tuple[int, ...]] = {}  # pack id -> store signature when its trailer checked
@@ -196,7 +199,7 @@ class RepositoryCore:
         return out
 
     # -- tiered storage (docs/format.md §10.2) -------------------------------------------------------------------
-    def _tiered(self) -> Any:
+    def _tiered(self) -> Tier:
         if self.tier is None:
             raise LuopanError(f"{self.where} is not a tiered repository: open it with replicate_to=URL")
         return self.tier

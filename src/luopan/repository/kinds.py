@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.config import RepoConfig
 from ..format.manifest import rows_of
 from ..store.base import Store, Stray
+
+if TYPE_CHECKING:  # pragma: no cover  (annotations only)
+    from .tier import Tier
 
 
 @dataclass
@@ -94,7 +97,7 @@ class Opened(Protocol):
     store: Store
     config: RepoConfig
     lock_timeout: float | None
-    tier: Any
+    tier: Tier | None
     kinds: tuple[Kind, ...]
 
     def drain(self) -> None:

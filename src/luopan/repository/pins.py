@@ -7,7 +7,7 @@ A pin is a small sealed file at ``kind.pin_key(series, number)`` holding ``{"run
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CorruptRepoError, StorageError, UnreadableError
 from ..format import BASE_FORMAT_VERSION
@@ -18,13 +18,16 @@ from ..store.base import KeyNotFound, Store
 from .kinds import Kind
 from .locks import locked
 
+if TYPE_CHECKING:  # pragma: no cover  (annotations only)
+    from .tier import Tier
+
 
 class Pinner(Protocol):
     """What pinning needs of an open repository."""
 
     store: Store
     lock_timeout: float | None
-    tier: Any
+    tier: Tier | None
 
 
 def require_members(doc: dict[str, Any], where: str, **fields: Any) -> None:

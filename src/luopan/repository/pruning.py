@@ -3,11 +3,9 @@ always stay; the others the rules do not keep are removed by deleting their mani
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..errors import ManifestNotFoundError, UsageError
 from ..format.manifest import decode_metrics
-from ..retention import Checkpoint, Plan, check_metrics, parse_time, plan
+from ..retention import Checkpoint, Plan, Rules, check_metrics, parse_time, plan
 from .kinds import Kind, Opened
 from .locks import locked
 from .pins import read_pins
@@ -15,7 +13,7 @@ from .pins import read_pins
 MISSING_METRICS = ("error", "ignore")
 
 
-def prune_series(repo: Opened, kind: Kind, series: str, retention: Any, *, dry_run: bool = False,
+def prune_series(repo: Opened, kind: Kind, series: str, retention: Rules | None, *, dry_run: bool = False,
                  missing_metrics: str = "error", missing: Exception | None = None) -> Plan:
     """Apply ``retention`` to ``series``; ``missing`` is raised when it has no manifest. ``dry_run`` computes the same
     plan and removes nothing (it takes no lock). ``missing_metrics="error"``: a KeepBest metric no manifest records is
@@ -33,7 +31,7 @@ def prune_series(repo: Opened, kind: Kind, series: str, retention: Any, *, dry_r
         return _prune(repo, kind, series, retention, False, missing_metrics, missing)
 
 
-def _prune(repo: Opened, kind: Kind, series: str, retention: Any, dry_run: bool, missing_metrics: str,
+def _prune(repo: Opened, kind: Kind, series: str, retention: Rules | None, dry_run: bool, missing_metrics: str,
            missing: Exception | None) -> Plan:
     store = repo.store
     pins = read_pins(store, kind, series)

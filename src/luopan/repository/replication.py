@@ -10,6 +10,7 @@ repository with the same ``repo_id`` first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 from .._crash import crashpoint
@@ -194,6 +195,7 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
         verify_small(dst, key, extra)
 
     def put_manifest() -> None:
+        require_format(dst, doc["format_version"])  # an older reader of dst must refuse it, not miss this manifest
         if not dst.put_if_absent(mkey, data) and get_or_none(dst, mkey, MAX_MANIFEST_BYTES) != data:
             dst.put(mkey, data)  # saved again with overwrite=True: the source is authoritative
         verify_small(dst, mkey, data)
@@ -220,6 +222,14 @@ def ensure_repository(local: Store, dst: Store) -> None:
             f"{dst.describe()} holds another luopan repository (repo_id {theirs.repo_id}, not {mine.repo_id}); "
             "replicate to an empty prefix or to a replica of this repository"
         )
+
+
+def require_format(dst: Store, version: int) -> None:
+    """Raise ``dst``'s config format_version to ``version`` (docs/format.md §1): a manifest of a newer kind must not
+    land where a reader that does not know the kind (and whose gc would collect its chunks) still opens."""
+    theirs = RepoConfig.from_bytes(dst.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES), dst.describe())
+    if theirs.format_version < version:
+        dst.put(CONFIG_KEY, dataclasses.replace(theirs, format_version=version).to_bytes())
 
 
 def copy_pin(src: Store, dst: Store, kind: Kind, series: str, number: int) -> None:

@@ -70,6 +70,7 @@ from .rules import (
     KeepTagged,
     Retention,
     RetentionRule,
+    Rules,
 )
 from .rules import _members as _members
 from .rules import _rule_list as _rule_list
@@ -87,6 +88,7 @@ __all__ = [
     "Plan",
     "Retention",
     "RetentionRule",
+    "Rules",
     "check_metrics",
     "parse_duration",
     "parse_keep_best",

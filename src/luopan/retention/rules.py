@@ -18,7 +18,7 @@ from ..units import format_duration
 from .checkpoint import Checkpoint, parse_time
 
 __all__ = ["EPOCH", "KeepBest", "KeepEvery", "KeepEverySteps", "KeepLast", "KeepTagged", "Retention",
-           "RetentionRule"]
+           "RetentionRule", "Rules"]
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _MICROSECOND = timedelta(microseconds=1)
@@ -204,3 +204,6 @@ def _rule_list(rules: Any) -> list[RetentionRule]:
         raise ArgumentTypeError(f"plan takes a retention rule or an iterable of them, got {type(rules).__name__}: "
                                 f"{rules!r}")
     return list(rules)
+
+
+Rules = RetentionRule | Iterable[RetentionRule]  # what prune, CheckpointManager and local_retention accept

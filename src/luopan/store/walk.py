@@ -33,7 +33,7 @@ def _readlink(path: str) -> str:
         return "?"
 
 
-MAX_DEPTH = 16  # path components below the root: luopan's deepest keys have 5 (refs/pins/<run>/<step>.json)
+MAX_DEPTH = 16  # path components below the root: luopan's deepest keys have 12 (refs/pins/_artifacts/<8 parts>/<v>.json)
 
 
 def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tuple[str, Stray | None]]:

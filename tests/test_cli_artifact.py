@@ -1,0 +1,69 @@
+"""``luopan artifact …`` and ``luopan lineage``, and the checkpoint commands that also take artifacts (ls, pin,
+prune, du, verify, gc), through the real CLI app."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from luopan.cli.main import app
+
+
+def run(*args, code=0):
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert res.exit_code == code, (args, res.exit_code, res.output)
+    return res.output
+
+
+def test_artifact_commands_end_to_end(tmp_path):
+    repo = tmp_path / "repo"
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.jsonl").write_text('{"x": 1}\n' * 1000)
+    (data / "sub" / "b.txt").write_text("b")
+    run("init", "-r", repo)
+    assert "committed datasets/raw@1" in run("-r", repo, "artifact", "commit", "datasets/raw", data)
+    out = json.loads(run("-r", repo, "artifact", "commit", "datasets/clean", data, "--parent", "datasets/raw@1",
+                         "--meta", "rows=1000", "--meta", "source=web", "--json"))
+    assert out["version"] == 1 and out["parents"] == ["datasets/raw@1"]
+    assert out["metadata"] == {"rows": 1000, "source": "web"} and out["stored_bytes"] == 0  # same chunks as raw
+    listing = json.loads(run("-r", repo, "artifact", "ls", "--json"))
+    assert [a["name"] for a in listing["artifacts"]] == ["datasets/clean", "datasets/raw"]
+    files = json.loads(run("-r", repo, "artifact", "ls", "datasets/clean@1", "--json"))["files"]
+    assert [f["path"] for f in files] == ["a.jsonl", "sub/b.txt"]
+    log = json.loads(run("-r", repo, "artifact", "log", "datasets/clean", "--json"))
+    assert [v["parents"] for v in log["versions"]] == [["datasets/raw@1"]]
+    assert "versions of datasets/clean" in run("-r", repo, "artifact", "log", "datasets/clean")
+    run("-r", repo, "artifact", "checkout", "datasets/clean@1", tmp_path / "out")
+    assert (tmp_path / "out" / "sub" / "b.txt").read_text() == "b"
+    run("-r", repo, "artifact", "checkout", "datasets/clean", tmp_path / "out", code=1)  # exists: nothing replaced
+    lin = json.loads(run("-r", repo, "lineage", "datasets/clean@1", "--json"))
+    assert lin["parents"] == ["datasets/raw@1"]
+    assert "-> datasets/clean@1" in run("-r", repo, "lineage", "datasets/raw@1")
+    # the checkpoint commands take artifacts too
+    assert "datasets/clean" in run("-r", repo, "ls")
+    run("-r", repo, "artifact", "commit", "datasets/clean", data)
+    run("-r", repo, "pin", "datasets/clean", "1", "--tag", "golden")
+    assert json.loads(run("-r", repo, "ls", "datasets/clean", "--json"))["versions"][0]["pinned"] is True
+    run("-r", repo, "prune", "datasets/clean", "--keep-last", "1")
+    assert json.loads(run("-r", repo, "du", "--json"))["artifacts"] == 3  # 1 is pinned: kept
+    run("-r", repo, "unpin", "datasets/clean", "1")
+    out = json.loads(run("-r", repo, "artifact", "prune", "datasets/clean", "--keep-last", "1", "--json"))
+    assert out["remove"] == [1]
+    run("-r", repo, "gc", "--grace", "0")
+    assert "ok" in run("-r", repo, "verify")
+    assert "ok" in run("-r", repo, "artifact", "verify", "datasets/clean@2")
+
+
+def test_artifact_command_errors(tmp_path):
+    repo = tmp_path / "repo"
+    run("init", "-r", repo)
+    run("-r", repo, "artifact", "log", "nope", code=4)
+    run("-r", repo, "artifact", "checkout", "nope@1", tmp_path / "o", code=4)
+    run("-r", repo, "lineage", "nope@1", code=4)
+    run("-r", repo, "artifact", "commit", "x", tmp_path / "missing", code=4)
+    run("-r", repo, "artifact", "commit", "bad name", tmp_path, code=1)
+    run("-r", repo, "artifact", "commit", "x", tmp_path, "--meta", "novalue", code=2)
+    run("-r", repo, "artifact", "pin", "x", code=2)  # a version is needed
+    assert "no artifacts yet" in run("-r", repo, "artifact", "ls")
