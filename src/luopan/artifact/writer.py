@@ -3,7 +3,9 @@ repository, packed, then indexed (docs/format.md §5.3, §10)."""
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ CDC_MIN = 64 << 10
 CDC_AVG = 256 << 10
 CDC_MAX = 1 << 20
 READ_BLOCK = 16 << 20  # bytes read from a file at a time (memory per file in flight stays bounded)
+AHEAD = 64  # chunks cut ahead of hashing
 SMALL_FILE = 1 << 20  # files up to this size are read whole, each into its own bytes object
 INLINE_BYTES = 64 << 10  # smaller chunks are hashed on the calling thread (a handoff costs more)
 GROUP_BYTES = 8 << 20
@@ -117,6 +120,60 @@ def cdc_chunks(stream: BinaryIO, size_hint: int | None = None, pool: BufferPool 
             yield view[off : off + length]
 
 
+class ahead:  # noqa: N801  (used like a generator)
+    """Iterate ``produce()`` on a thread of its own, up to ``depth`` items ahead: reading and cutting a file (the cut
+    runs without the GIL) overlap hashing and packing. Its error is raised here; ``close()`` stops it."""
+
+    _END = object()
+
+    def __init__(self, produce: Callable[[], Iterator[Any]], depth: int) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(produce,), name="luopan-cdc", daemon=True)
+        self._thread.start()
+
+    def _run(self, produce: Callable[[], Iterator[Any]]) -> None:
+        try:
+            for item in produce():
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._error = exc
+        finally:
+            self._put_end()
+
+    def _put_end(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(self._END, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> ahead:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._queue.get()
+        if item is self._END:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocation],
                   intact: dict[str, tuple[int, ...]], sources: list[Source],
                   progress: Callable[[int], Any] | None = None) -> Stored:
@@ -132,13 +189,15 @@ def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocatio
 
     buffers = BufferPool()
 
-    def items() -> Iterator[tuple[int, memoryview]]:
+    def chunks() -> Iterator[tuple[int, memoryview]]:
         for i, src in enumerate(sources):
             if src.size == 0 and src.data is None:
                 continue
             with src.open() as f:
                 for chunk in cdc_chunks(f, src.size, buffers):
                     yield i, chunk
+
+    items = ahead(chunks, AHEAD)
 
     def work(item: tuple[int, memoryview]) -> tuple[int, str, memoryview, int, str, str]:
         i, view = item
@@ -158,7 +217,7 @@ def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocatio
     try:
         with pool:
             for i, h, stored, size, blob_codec, x in ordered_map(
-                    pool, work, items(), window=2 * WORKERS, inline=lambda item: len(item[1]) < INLINE_BYTES,
+                    pool, work, items, window=2 * WORKERS, inline=lambda item: len(item[1]) < INLINE_BYTES,
                     group=lambda item: len(item[1]), group_size=GROUP_BYTES):
                 rows[i].append((h, size, x))
                 if progress is not None:
@@ -181,6 +240,7 @@ def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocatio
             index_name = index_key(index_id)
             store.put_if_absent(index_name, index_bytes)
     except BaseException:
+        items.close()
         writer.close()
         if index_name is None or not exists_quietly(store, index_name):
             writer.discard()
