@@ -28,7 +28,7 @@ class Reading(RepositoryCore):
 
     # -- listing ------------------------------------------------------------------------------------------------
     def runs(self) -> list[str]:
-        """Runs with at least one committed checkpoint (luopan.catalog: the walk every command shares)."""
+        """Runs with at least one committed checkpoint (the checkpoint catalog: the walk every command shares)."""
         return catalog.scan(self.store).runs
 
     def steps(self, run: str) -> list[int]:
