@@ -198,8 +198,10 @@ def test_checkout_never_replaces_and_never_leaves_a_partial_directory(repo, tmp_
     (tmp_path / "taken").mkdir()
     with pytest.raises(luopan.OutputPathError, match="already exists"):
         art.checkout(tmp_path / "taken")
-    with pytest.raises(luopan.OutputPathError, match="does not exist"):
-        art.checkout(tmp_path / "no" / "parent")
+    assert art.checkout(tmp_path / "no" / "parent") == str(tmp_path / "no" / "parent")  # parents are made
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(luopan.OutputPathError, match="cannot create"):
+        art.checkout(tmp_path / "file" / "below")
     # a damaged chunk: IntegrityError, and no directory (nor temporary) left behind
     pack = next(k for k in repo.store.list("packs/"))
     path = os.path.join(repo.store.root, pack)
@@ -210,7 +212,7 @@ def test_checkout_never_replaces_and_never_leaves_a_partial_directory(repo, tmp_
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(luopan.IntegrityError):
         art.checkout(tmp_path / "out")
-    assert sorted(os.listdir(tmp_path)) == ["repo", "taken"]
+    assert sorted(os.listdir(tmp_path)) == ["file", "no", "repo", "taken"]
     with pytest.raises(luopan.IntegrityError):
         with art.open("f") as f:
             f.read()

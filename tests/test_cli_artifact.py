@@ -48,12 +48,17 @@ def test_artifact_commands_end_to_end(tmp_path):
     assert json.loads(run("-r", repo, "ls", "datasets/clean", "--json"))["versions"][0]["pinned"] is True
     run("-r", repo, "prune", "datasets/clean", "--keep-last", "1")
     assert json.loads(run("-r", repo, "du", "--json"))["artifacts"] == 3  # 1 is pinned: kept
+    run("-r", repo, "unpin", "datasets/clean@1")
+    run("-r", repo, "pin", "datasets/clean@1")
     run("-r", repo, "unpin", "datasets/clean", "1")
     out = json.loads(run("-r", repo, "artifact", "prune", "datasets/clean", "--keep-last", "1", "--json"))
     assert out["remove"] == [1]
     run("-r", repo, "gc", "--grace", "0")
     assert "ok" in run("-r", repo, "verify")
     assert "ok" in run("-r", repo, "artifact", "verify", "datasets/clean@2")
+    assert "ok" in run("-r", repo, "verify", "datasets/clean")
+    assert "ok" in run("-r", repo, "verify", "datasets/clean", "2")
+    run("-r", repo, "verify", "datasets/clean@1", code=4)  # pruned
 
 
 def test_artifact_command_errors(tmp_path):

@@ -54,8 +54,11 @@ def check_destination(dest: object) -> str:
                                   "or replaces existing files)")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
-        raise OutputPathError(2, f"cannot check out to {out}: the directory {parent} does not exist; create it "
-                                 f"first (mkdir -p {parent})")
+        try:
+            os.makedirs(parent, exist_ok=True)  # like `git clone URL a/b/c`: the directories above are made
+        except OSError as exc:
+            raise OutputPathError(exc.errno or 5, f"cannot check out to {out}: cannot create {parent}: "
+                                                  f"{exc.strerror or exc}") from None
     return out
 
 

@@ -32,6 +32,15 @@ def is_artifact_target(r: Any, name: str) -> bool:
     return bool(r.artifact(name).numbers()) and not r.steps(name)
 
 
+def name_and_number(name: str, number: int | None) -> tuple[str, int]:
+    """RUN STEP, NAME VERSION, or NAME@N alone (pin, unpin)."""
+    if number is None:
+        if "@" not in name:
+            raise UsageError(f"a step (or version) is needed: {name} STEP, or {name}@N")
+        name, number = parse_ref_text(name, "reference")
+    return name, number
+
+
 def split_ref(text: str) -> tuple[str, int | None]:
     """'NAME' -> (NAME, None); 'NAME@V' -> (NAME, V)."""
     if "@" not in text:

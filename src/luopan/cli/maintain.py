@@ -11,7 +11,7 @@ from ..repo import init as repo_init
 from ..repository.locks import break_locks, list_locks
 from ..retention import rules_from_flags
 from ..units import parse_duration
-from .artifact import is_artifact_target
+from .artifact import is_artifact_target, name_and_number
 from .app import (
     JsonOpt,
     RepoOpt,
@@ -103,13 +103,15 @@ def prune(
 def pin(
     *,
     repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name (or artifact name).")],
-    step: Annotated[int, typer.Argument(help="Step of the checkpoint (or artifact version) to protect.")],
+    run: Annotated[str, typer.Argument(help="Run name (or artifact name; or NAME@V without STEP).")],
+    step: Annotated[Optional[int], typer.Argument(help="Step of the checkpoint (or artifact version) to protect.")]
+    = None,
     tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
 ) -> None:
     """Protect a checkpoint (or artifact version): `luopan prune` never removes a pinned one."""
     repo = repo_location(repo)
     r = open_repo(repo)
+    run, step = name_and_number(run, step)
     (r.artifact(run) if is_artifact_target(r, run) else r.run(run)).pin(step, tag)
     out.print(f"pinned {run} step {step}" + (f" as {tag!r}" if tag else ""))
 
@@ -119,12 +121,13 @@ def pin(
 def unpin(
     *,
     repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name (or artifact name).")],
-    step: Annotated[int, typer.Argument(help="Step (or artifact version) to unpin.")],
+    run: Annotated[str, typer.Argument(help="Run name (or artifact name; or NAME@V without STEP).")],
+    step: Annotated[Optional[int], typer.Argument(help="Step (or artifact version) to unpin.")] = None,
 ) -> None:
     """Remove a pin (the checkpoint or artifact version itself stays until a prune removes it)."""
     repo = repo_location(repo)
     r = open_repo(repo)
+    run, step = name_and_number(run, step)
     if (r.artifact(run) if is_artifact_target(r, run) else r.run(run)).unpin(step):
         out.print(f"unpinned {run} step {step}")
     else:

@@ -8,6 +8,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..errors import IntegrityError
+from .artifact import is_artifact_target, verify as artifact_verify
 from .app import RepoOpt, app, err, escape, handles_errors, human, open_repo, out, repo_location
 
 @app.command()
@@ -15,12 +16,17 @@ from .app import RepoOpt, app, err, escape, handles_errors, human, open_repo, ou
 def verify(
     *,
     repo: RepoOpt = None,
-    run: Annotated[Optional[str], typer.Argument(help="Run to verify; all runs when omitted.")] = None,
+    run: Annotated[Optional[str], typer.Argument(help="Run (or artifact, NAME or NAME@V) to verify; the whole "
+                                                      "repository when omitted.")] = None,
     step: Annotated[Optional[int], typer.Argument(help="Step to verify; all steps of RUN when omitted.")] = None,
 ) -> None:
-    """Read every byte of the selected checkpoints and check every hash. Exit 3 and name the damage if any."""
+    """Read every byte of the selected checkpoints (or artifact versions) and check every hash; without RUN, the whole
+    repository: every checkpoint and artifact version, records, pins and index files. Exit 3 and name the damage."""
     repo = repo_location(repo)
     r = open_repo(repo)
+    if run is not None and ("@" in run or is_artifact_target(r, run)):
+        artifact_verify(repo=repo, ref=run if step is None else f"{run}@{step}")
+        return
     with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as bar:
         task = bar.add_task("verify", total=None)
