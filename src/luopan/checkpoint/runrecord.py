@@ -30,7 +30,7 @@ from ..format import BASE_FORMAT_VERSION
 from ..format.canonical import canonical, seal, unseal_file
 from ..format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
 from ..format.manifest import decode_metrics, encode_metrics
-from ..format.names import check_run, check_step, eval_key, latest_ref_key, record_key
+from ..format.names import check_run, check_step, eval_key, eval_prefix, latest_ref_key, record_key
 from ..format.refs import parse_ref
 from ..repository.core import RepositoryCore
 from ..repository.pins import (
@@ -233,7 +233,7 @@ class Run:
             raise CheckpointExistsError(f"run {self.name!r} already has an eval at step {step}; pass overwrite=True")
 
     def evals(self) -> list[int]:
-        return [step for _key, step in self._step_files(f"runs/{self.name}/evals/")]
+        return [step for _key, step in self._step_files(eval_prefix(self.name))]
 
     def eval(self, step: int) -> dict[str, Any]:
         step = check_step(step)
@@ -274,7 +274,7 @@ class Run:
         found: list[Exception] = []
         checks = [(record_key(self.name), MAX_RECORD_BYTES, lambda d, k: parse_record(d, k, self.name))]
         checks += [(k, MAX_EVAL_BYTES, lambda d, k, s=s: parse_eval(d, k, self.name, s))
-                   for k, s in self._step_files(f"runs/{self.name}/evals/")]
+                   for k, s in self._step_files(eval_prefix(self.name))]
         checks.append((latest_ref_key(self.name), MAX_SMALL_BYTES, parse_ref))
         for key, limit, parse in checks:
             try:

@@ -10,10 +10,10 @@ from typing import Any
 from ..errors import ConfigConflictError, CorruptRepoError
 from . import BASE_FORMAT_VERSION, refuse_newer
 from .canonical import SealError, parse_object, seal, verify_seal
+from .names import CONFIG_KEY  # noqa: F401  (importable from here as before)
 from .limits import MAX_PACK_SIZE
 from .pack import CODECS
 
-CONFIG_KEY = "luopan.json"
 DEFAULT_CHUNK_SIZE = 4 << 20  # docs/format.md §3: 7.5 vs 5.7 GB/s two-thread BLAKE3 over 1 MiB chunks
 DEFAULT_PACK_SIZE = 64 << 20
 

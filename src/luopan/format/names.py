@@ -168,7 +168,19 @@ def cold_key(run: str, step: int) -> str:
     return tier_marker_key("cold", "", run, step)
 
 
+CONFIG_KEY = "luopan.json"  # the repository config (docs/format.md §3)
+LOCK_PREFIX = "locks/"  # lock records and waiting markers (§9.2)
+LOCK_NAME = re.compile(r"locks/(shared|exclusive|waiting)-[0-9a-f]{16}\.json", re.ASCII)
 CONDEMNED_KEY = "gc/condemned.json"  # gc's record of unreferenced packs and since when (docs/format.md §10.3)
+
+
+def lock_key(kind: str, lock_id: str) -> str:
+    """``locks/<shared|exclusive|waiting>-<16 hex>.json``."""
+    return f"{LOCK_PREFIX}{kind}-{lock_id}.json"
+
+
+def eval_prefix(run: str) -> str:
+    return f"runs/{run}/evals/"
 
 
 def pack_key(pack_id: str) -> str:

@@ -11,7 +11,13 @@ from typing import Any
 import blake3
 import zstandard
 
-from ..errors import CorruptPackError, IntegrityError, MissingPackError, StorageError, UnreadableError
+from ..errors import (
+    CorruptPackError,
+    IntegrityError,
+    MissingPackError,
+    StorageError,
+    UnreadableError,
+)
 from ..format.limits import MAX_TRAILER_BYTES
 from ..format.names import pack_key
 from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer

@@ -19,10 +19,10 @@ from ..errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from ..format.config import CONFIG_KEY, RepoConfig
+from ..format.config import RepoConfig
 from ..format.index import parse_index
 from ..format.limits import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
-from ..format.names import is_index_key, parse_ref_text
+from ..format.names import CONFIG_KEY, is_index_key, parse_ref_text
 from ..format.pack import BlobLocation
 from ..store.base import KeyNotFound, Store
 from .gc import DEFAULT_GRACE, DEFAULT_REPACK_BELOW, collect

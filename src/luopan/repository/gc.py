@@ -32,14 +32,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crashpoint
-from ..errors import CorruptRepoError, GcError, IntegrityError, StorageError, UnsupportedFormatError, UsageError
+from ..errors import (
+    CorruptRepoError,
+    GcError,
+    IntegrityError,
+    StorageError,
+    UnsupportedFormatError,
+    UsageError,
+)
 from ..format import BASE_FORMAT_VERSION
 from ..format.canonical import SealError, seal, unseal
+from ..format.canonical import seal as seal_manifest
 from ..format.index import build_index, parse_index
 from ..format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
-from ..format.names import CONDEMNED_KEY, index_key, is_hex64, is_index_key, is_pack_key, pack_key
+from ..format.names import (
+    CONDEMNED_KEY,
+    index_key,
+    is_hex64,
+    is_index_key,
+    is_pack_key,
+    pack_key,
+)
 from ..format.pack import HEADER_SIZE
-from ..format.canonical import seal as seal_manifest
 from ..store.base import KeyNotFound, Store
 from .gcreport import GcReport
 from .kinds import Kind, Opened, rows_by_pack

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass
@@ -17,16 +16,15 @@ from .._process import pid_alive
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError
 from ..format.canonical import unseal_file
 from ..format.limits import MAX_SMALL_BYTES
+from ..format.names import LOCK_NAME, LOCK_PREFIX
 from ..store.base import KeyNotFound, Store
 from ..units import format_duration
 
-LOCK_PREFIX = "locks/"
 REFRESH_SECONDS = 120.0
 STALE_SECONDS = 30 * 60.0
 DEFAULT_TIMEOUT = 600.0
 WAITING_SECONDS = 30.0  # a waiting marker older than this (its save died or gave up) no longer holds gc back
 KINDS = ("shared", "exclusive", "waiting")
-LOCK_NAME = re.compile(r"locks/(shared|exclusive|waiting)-[0-9a-f]{16}\.json", re.ASCII)
 MAX_TIME = float(1 << 34)  # unix seconds, year 2514: a later time is damage (or a clock far off), never a lock's
 
 

@@ -36,18 +36,17 @@ from contextlib import contextmanager
 from ..errors import LockedError, UsageError
 from ..format import BASE_FORMAT_VERSION
 from ..format.canonical import seal
+from ..format.names import LOCK_NAME, LOCK_PREFIX, lock_key  # noqa: F401  (importable from here)
 from ..store.base import Store
 from .lockrecords import (  # noqa: F401  (break_locks, parse_lock, KINDS…: the lock API, importable from here)
+    _HOST,
     DEFAULT_TIMEOUT,
     KINDS,
-    LOCK_NAME,
-    LOCK_PREFIX,
     REFRESH_SECONDS,
     STALE_SECONDS,
     WAITING_SECONDS,
     LockRecord,
     _boot_id,
-    _HOST,
     _machine_id,
     _pidns,
     _span,
@@ -122,7 +121,7 @@ class Lock:
         self.store = store
         self.kind = kind
         self.op = op
-        self.key = f"{LOCK_PREFIX}{kind}-{secrets.token_hex(8)}.json"
+        self.key = lock_key(kind, secrets.token_hex(8))
         self._created = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

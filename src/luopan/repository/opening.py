@@ -17,8 +17,9 @@ from ..errors import (
     RepoNotFoundError,
     UsageError,
 )
-from ..format.config import CONFIG_KEY, Compression, RepoConfig
+from ..format.config import Compression, RepoConfig
 from ..format.limits import MAX_CONFIG_BYTES
+from ..format.names import CONFIG_KEY
 from ..store import FsspecStore, MemoryStore, Store, is_object_url, open_store
 from ..store.base import KeyNotFound
 from ..store.local import TMP_MARK, LocalStore

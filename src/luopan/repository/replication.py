@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from .._crash import crashpoint
 from ..errors import ConfigConflictError, IntegrityError, ReplicationError, StorageError
-from ..format.config import CONFIG_KEY, RepoConfig
+from ..format.config import RepoConfig
 from ..format.index import parse_index
 from ..format.limits import (
     MAX_CONFIG_BYTES,
@@ -23,7 +23,7 @@ from ..format.limits import (
     MAX_MANIFEST_BYTES,
     MAX_SMALL_BYTES,
 )
-from ..format.names import is_index_key, pack_key
+from ..format.names import CONFIG_KEY, is_index_key, pack_key
 from ..store import FsspecStore, Store
 from ..store.base import KeyNotFound
 from .chunkio import check_pack_trailer

@@ -7,7 +7,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import IntegrityError, LuopanError, StorageError, UnreadableError, UnsupportedFormatError
+from ..errors import (
+    IntegrityError,
+    LuopanError,
+    StorageError,
+    UnreadableError,
+    UnsupportedFormatError,
+)
 from ..format.index import parse_index
 from ..format.limits import MAX_INDEX_BYTES
 from ..format.manifest import Row
