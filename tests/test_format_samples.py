@@ -25,6 +25,7 @@ from luopan.format.index import parse_index
 from luopan.format.manifest import _validator, parse_manifest
 from luopan.format.pack import HEADER, TRAILER_MAGIC, parse_trailer
 from luopan.format.refs import parse_ref
+from luopan.tree import unflatten
 from luopan.repository.gc import parse_condemned
 from luopan.repository.locks import parse_lock
 from luopan.repository.tiersetup import parse_tier_config
@@ -83,6 +84,15 @@ def check_delta_entry(entry: dict[str, Any]) -> None:
     _validator()(doc)
 
 
+def check_typed_nodes(nodes: list[dict[str, Any]]) -> None:
+    """Each §8.3 node, inside a manifest's tree, through the manifest reader and the tree builder."""
+    doc = expand(json.loads(_sample_of("## 8.")))
+    doc.update(format_version=3, tree={"list": nodes})
+    m = parse_manifest(sealed(doc), "runs/run-a/ckpt/00000100.json", "run-a", 100)
+    values = unflatten(m.tree, lambda i: f"<entry {i}>", "the spec's sample")
+    assert len(values) == len(nodes) and values[6] == {"q_proj", "v_proj"} and values[11]["weights"] == "<entry 0>"
+
+
 def check_pack(trailer: dict[str, Any]) -> None:
     blob = trailer["blobs"][0]
     body = bytes(blob["length"])
@@ -114,6 +124,8 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return lambda d: parse_index(sealed(d), "index/x.json")
     if heading.startswith("## 8."):
         return check_manifest
+    if heading.startswith("### 8.3"):
+        return check_typed_nodes
     if heading.startswith("### 8.2"):
         return lambda d: parse_artifact_manifest(sealed(d), "artifacts/datasets/clean/_v/00000002.json",
                                                  "datasets/clean", 2)
@@ -148,7 +160,7 @@ SAMPLES = samples()
 
 def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
-    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "## 9.", "### 9.1", "### 9.2",
+    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "## 9.", "### 9.1", "### 9.2",
                     "### 10.2", "### 10.3"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval

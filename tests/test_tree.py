@@ -124,16 +124,14 @@ class Opaque:
     "value, path, match",
     [
         ({"model": {"fn": lambda x: x}}, "model/fn", "function"),
-        ({"cfg": Opaque()}, "cfg", "Opaque.*state_dict"),
+        ({"cfg": Opaque()}, "cfg", "(?s)Opaque.*state_dict"),
         ({"a": [1, np.array(["x"], dtype=object)]}, "a/1", "dtype object"),
         ({"a": np.array(["ab"])}, "a", "dtype <U2"),
-        ({"s": {1, 2}}, "s", "set"),
         ({"k": {(1, 2): 3}}, "k/(1, 2)", "dict key of type tuple"),
-        ({"nt": collections.namedtuple("P", "x y")(1, 2)}, "nt", "_asdict"),
         ({"sp": torch.eye(3).to_sparse()}, "sp", "to_dense"),
         ({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, "q", "quantized"),
         ({"m": torch.empty(3, device="meta")}, "m", "meta"),
-        ({"b": b"bytes"}, "b", "bytes"),
+        ({"b": b"x" * (1 << 21)}, "b", "np.frombuffer"),  # small bytes are typed values (test_typed.py)
     ],
 )
 def test_unsupported_values_are_refused_naming_the_path(repo, value, path, match):

@@ -1,7 +1,8 @@
 """State trees: flatten to a JSON skeleton plus tensor leaves, and build them back (docs/format.md §8 `tree`).
 
 Nothing here pickles. Containers are dicts (string or integer keys), lists and tuples; leaves are NumPy arrays and
-scalars, torch tensors, and JSON scalars. Anything else is refused with the key path and a way to convert it.
+scalars, torch tensors, JSON scalars and typed values (luopan.typed: Path, datetime, set, dataclass, …). Anything
+else is refused, every offending key path at once, with a way to convert it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import typed
 from .errors import LuopanError, UnsupportedValueError
 from .format.limits import MAX_NDIM, MAX_PATH_CHARS, shape_fits
 from .format.names import join_path
@@ -136,6 +138,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
     torch = _torch()
     strided = torch.strided if torch is not None else None
     active: set[int] = set()  # container ids on the current path, to refuse cycles
+    refused: list[str] = []  # every value of a type luopan cannot store, refused together at the end
 
     def leaf(path: str, value: Any, kind: str, identity: tuple[Any, ...] | None, **kw: Any) -> dict[str, Any]:
         if identity is not None and identity in seen:
@@ -167,7 +170,7 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                 raise _refuse(path, "a NumPy masked array", "its mask would be lost; store the data and the mask "
                               "as two arrays, e.g. {'data': a.filled(0), 'mask': np.ma.getmaskarray(a)}")
             return walk_numpy(value, path, scalar=False)
-        if isinstance(value, (dict, list, tuple)):
+        if isinstance(value, (dict, list, tuple)) and not (isinstance(value, tuple) and hasattr(value, "_fields")):
             if id(value) in active:
                 raise _refuse(path, "a container that contains itself", "break the reference cycle")
             active.add(id(value))
@@ -175,12 +178,20 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                 return walk_container(value, path)
             finally:
                 active.discard(id(value))
-        raise _refuse(
-            path,
-            f"an object of type {type(value).__module__}.{type(value).__qualname__}",
-            "luopan stores only tensors, NumPy arrays and JSON values (no pickle); convert it, e.g. "
-            "obj.state_dict(), dataclasses.asdict(obj), a tensor, or str(obj)",
-        )
+        if id(value) in active:
+            raise _refuse(path, "a value that contains itself", "break the reference cycle")
+        active.add(id(value))
+        try:
+            node = typed.encode(value, path, walk)
+        finally:
+            active.discard(id(value))
+        if node is not None:
+            return node
+        what = (f"bytes of {len(value)} bytes (more than {typed.MAX_BYTES} as a JSON leaf; store "
+                "np.frombuffer(b, np.uint8))" if isinstance(value, (bytes, bytearray, memoryview)) else
+                f"{type(value).__module__}.{type(value).__qualname__}")
+        refused.append(f"{path or '<root>'!r}: {what}")
+        return {"none": None}
 
     def walk_container(value: Any, path: str) -> dict[str, Any]:
         if isinstance(value, dict):
@@ -282,6 +293,13 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         skeleton = walk(state, ""), leaves
     except RecursionError:
         raise UnsupportedValueError("cannot save a state tree nested this deeply; flatten it") from None
+    if refused:
+        shown = "\n  ".join(refused[:50]) + (f"\n  … and {len(refused) - 50} more" if len(refused) > 50 else "")
+        raise UnsupportedValueError(
+            f"cannot save {len(refused)} value(s) of types luopan does not store (it never pickles):\n  {shown}\n"
+            "luopan stores tensors, NumPy arrays, JSON values and typed values (Path, datetime, date, time, "
+            "timedelta, bytes, set, frozenset, complex, Decimal, Enum, dataclass, namedtuple, argparse.Namespace, "
+            "torch.dtype, torch.device); convert the others, e.g. obj.state_dict(), a tensor, or str(obj)")
     paths: set[str] = set()
     for lf in leaves:
         if len(lf.path) > MAX_PATH_CHARS:
@@ -335,15 +353,17 @@ def _places(state: Any, target: str) -> list[str]:
     return out
 
 
-def unflatten(node: dict[str, Any], entry: Callable[[int], Any]) -> Any:
+def unflatten(node: dict[str, Any], entry: Callable[[int], Any], where: str = "the manifest") -> Any:
     """Build a tree from its skeleton; ``entry(i)`` returns the object for entry ``i``."""
     (tag, value), = node.items()
+    if tag == "typed":
+        return typed.decode(value, where, lambda n: unflatten(n, entry, where))
     if tag == "dict":
-        return {k: unflatten(v, entry) for k, v in value}
+        return {k: unflatten(v, entry, where) for k, v in value}
     if tag == "list":
-        return [unflatten(v, entry) for v in value]
+        return [unflatten(v, entry, where) for v in value]
     if tag == "tuple":
-        return tuple(unflatten(v, entry) for v in value)
+        return tuple(unflatten(v, entry, where) for v in value)
     if tag == "entry":
         return entry(value)
     if tag == "float":

@@ -103,7 +103,7 @@ class Reading(RepositoryCore):
                 objs[i] = objs[e["alias_of"]]
             elif e.get("scalar"):
                 objs[i] = objs[i][()]
-        return unflatten(m.tree, objs.__getitem__)
+        return unflatten(m.tree, objs.__getitem__, f"run {m.run!r} step {m.step}")
 
     def load_into(self, run: str, target: Any, step: int | None = None, *, strict: bool = True) -> Any:
         """Restore checkpoint ``step`` of ``run`` (latest when None) into an existing state tree ``target``, in place

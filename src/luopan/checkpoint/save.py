@@ -13,6 +13,7 @@ from typing import Any
 import blake3
 import xxhash
 
+from .. import typed
 from .._crash import crashpoint
 from ..format import BASE_FORMAT_VERSION
 from ..errors import CheckpointExistsError, LuopanError, UnsupportedValueError
@@ -257,7 +258,9 @@ class _CheckpointWriter:
                 e["delta"] = {"base_step": base_step, "rows": nrows, "index": manifest_rows(it),
                               "values": manifest_rows(vt)}
         doc: dict[str, Any] = {
-            "format_version": 2 if deltas else BASE_FORMAT_VERSION,  # §1: the oldest version that describes it
+            # §1: the oldest version that describes it (3: typed values; 2: row deltas)
+            "format_version": (typed.TYPED_FORMAT_VERSION if typed.present(req.skeleton)
+                               else 2 if deltas else BASE_FORMAT_VERSION),
             "run": req.run,
             "step": req.step,
             "created": datetime.now(timezone.utc).isoformat(),

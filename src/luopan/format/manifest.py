@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from fastjsonschema import JsonSchemaException
 
 from ..errors import CorruptManifestError
+from .. import typed
 from ..tree import itemsize
 from . import refuse_newer
 from .canonical import SealError, canonical, digest, parse_object, seal, verify_seal
@@ -229,6 +230,9 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
                 walk(v)
         elif tag in ("list", "tuple"):
             for v in value:
+                walk(v)
+        elif tag == "typed":
+            for v in typed.children(value):
                 walk(v)
         elif tag == "entry" and value >= len(entries):
             raise bad(f"tree names entry #{value} of {len(entries)}")
