@@ -4,7 +4,8 @@
 """
 
 from .data import ResumableLoader
+from .fingerprint import fingerprint
 from .manager import CheckpointManager
 from .state import TrainingState
 
-__all__ = ["CheckpointManager", "ResumableLoader", "TrainingState"]
+__all__ = ["CheckpointManager", "ResumableLoader", "TrainingState", "fingerprint"]

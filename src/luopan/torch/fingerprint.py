@@ -1,0 +1,56 @@
+"""Content fingerprints of models and state trees: a hash over every tensor's bytes, not only names and shapes (the
+check a patch or an adapter makes that it meets the base it was made for)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import blake3
+
+from ..format.canonical import canonical
+from ..tree import flatten
+
+# tensor identity -> (weak reference to its storage, version, digest): a frozen base is hashed once per process
+_cache: dict[tuple[Any, ...], tuple[Any, int, str]] = {}
+
+
+def fingerprint(model_or_state: Any) -> str:
+    """``"blake3:<hex>"`` over every tensor's key path, dtype, shape and bytes (in key-path order) of a module's
+    ``state_dict()`` or of a state tree. Tensors are hashed once and cached while their storage lives and their
+    version counter does not move, so fingerprinting a frozen base again is cheap; an in-place change through
+    ordinary ops is seen (writes that bypass the counter — ``t.data[...] = …``, fused optimizers — are not: call
+    ``fingerprint.cache_clear()`` after those)."""
+    state = model_or_state.state_dict() if hasattr(model_or_state, "state_dict") and \
+        callable(model_or_state.state_dict) else model_or_state
+    _skeleton, leaves = flatten(state)
+    rows = []
+    for leaf in sorted(leaves, key=lambda lf: lf.path):
+        rows.append([leaf.path, leaf.kind, leaf.dtype, list(leaf.shape), _digest(leaf)])
+    return "blake3:" + blake3.blake3(canonical(rows)).hexdigest()
+
+
+def cache_clear() -> None:
+    """Forget every cached tensor digest."""
+    _cache.clear()
+
+
+fingerprint.cache_clear = cache_clear  # type: ignore[attr-defined]
+
+
+def _digest(leaf: Any) -> str:
+    t = leaf.obj
+    key = None
+    if leaf.kind == "torch" and not t.is_inference() and leaf.nbytes:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
+        hit = _cache.get(key)
+        if hit is not None and hit[0]() is storage and hit[1] == t._version:
+            return hit[2]
+    digest = blake3.blake3(leaf.host_bytes()).hexdigest()
+    if key is not None:
+        try:
+            _cache[key] = (weakref.ref(t.untyped_storage()), t._version, digest)
+        except TypeError:
+            pass
+    return digest
