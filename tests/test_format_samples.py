@@ -93,6 +93,14 @@ def check_typed_nodes(nodes: list[dict[str, Any]]) -> None:
     assert len(values) == len(nodes) and values[6] == {"q_proj", "v_proj"} and values[11]["weights"] == "<entry 0>"
 
 
+def check_dcp_member(doc: dict[str, Any]) -> None:
+    """The §8.4 ``dcp`` member, through luopan.dcp's decoder: DCP's Metadata and the item -> entry map."""
+    from luopan.dcp.layout import decode_metadata
+
+    metadata, storage = decode_metadata(doc, "the spec's sample")
+    assert list(metadata.state_dict_metadata["emb"].size) == [64, 32] and len(storage) == 3
+
+
 def check_pack(trailer: dict[str, Any]) -> None:
     blob = trailer["blobs"][0]
     body = bytes(blob["length"])
@@ -124,6 +132,8 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return lambda d: parse_index(sealed(d), "index/x.json")
     if heading.startswith("## 8."):
         return check_manifest
+    if heading.startswith("### 8.4"):
+        return check_dcp_member
     if heading.startswith("### 8.3"):
         return check_typed_nodes
     if heading.startswith("### 8.2"):
@@ -160,7 +170,7 @@ SAMPLES = samples()
 
 def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
-    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "## 9.", "### 9.1", "### 9.2",
+    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2",
                     "### 10.2", "### 10.3"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval

@@ -105,6 +105,17 @@ class Reading(RepositoryCore):
                 objs[i] = objs[i][()]
         return unflatten(m.tree, objs.__getitem__, f"run {m.run!r} step {m.step}")
 
+    def load_entry(self, m: Manifest, index: int) -> Any:
+        """Entry ``index`` of manifest ``m`` (from ``repo.manifest``) as a new tensor or array, every chunk verified
+        (an alias reads the entry it names)."""
+        e = m.entries[index]
+        if "alias_of" in e:
+            return self.load_entry(m, e["alias_of"])
+        sizes = check_rows(self.store, m, [index])
+        obj, view = new_array(e["kind"], e["dtype"], e["shape"])
+        read_chunks(self.store, entry_jobs(self.store, m, index, view, sizes), sizes=sizes)
+        return obj[()] if e.get("scalar") else obj
+
     def load_into(self, run: str, target: Any, step: int | None = None, *, strict: bool = True) -> Any:
         """Restore checkpoint ``step`` of ``run`` (latest when None) into an existing state tree ``target``, in place
         (tensors are written, not replaced).

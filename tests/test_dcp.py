@@ -1,0 +1,139 @@
+"""luopan.dcp: PyTorch Distributed Checkpoint through a luopan repository (issue 12, part 2). Single-process saves and
+loads, and real torch.distributed runs (gloo, CPU, several processes) saving sharded state at world size 4 and
+loading it at 4, 2 and 1; replicated state written once; a rank killed mid-save leaves no checkpoint."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import luopan
+import luopan.dcp
+
+from .conftest import PYTHON
+from .dcp_worker import full_state
+
+WORKER = os.path.join(os.path.dirname(__file__), "dcp_worker.py")
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def spawn(child_env, op: str, repo, world: int, step: int, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, WORKER, op, str(repo), str(world), free_port(), str(step)], env=child_env,
+                          capture_output=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def quiet_single_process_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def model_state(seed: int):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    return {"model": m.state_dict(), "optim": opt.state_dict(), "step": 5, "extra": {"name": "x", "lr": 1e-3}}
+
+
+def test_single_process_save_load_and_the_normal_tools(tmp_path):
+    repo_path = tmp_path / "repo"
+    sd = model_state(0)
+    writer = luopan.dcp.Writer(repo_path, "run-a", step=10, metrics={"loss": 0.3})
+    dcp.save(sd, storage_writer=writer)
+    assert writer.info.step == 10 and 0 < writer.info.new_bytes <= writer.info.logical_bytes  # equal chunks once
+    target = model_state(1)
+    target["step"], target["extra"] = 0, {}
+    dcp.load(target, storage_reader=luopan.dcp.Reader(repo_path, "run-a"))
+    for k, v in sd["model"].items():
+        assert torch.equal(target["model"][k], v)
+    assert torch.equal(target["optim"]["state"][0]["exp_avg"], sd["optim"]["state"][0]["exp_avg"])
+    assert target["optim"]["param_groups"][0]["lr"] == sd["optim"]["param_groups"][0]["lr"]
+    assert target["step"] == 5
+    with luopan.open(repo_path) as repo:  # a DCP checkpoint lists, verifies, loads and prunes like any other
+        assert [c.step for c in repo.checkpoints("run-a")] == [10] and repo.checkpoints("run-a")[0].metrics == \
+            {"loss": 0.3}
+        repo.verify("run-a")
+        flat = repo.load("run-a")
+        assert torch.equal(flat["model.0.weight"], sd["model"]["0.weight"]) and flat["step"] == 5
+        dcp.save(sd, storage_writer=luopan.dcp.Writer(repo, "run-a", step=11))  # unchanged: nothing new written
+        assert repo.checkpoints("run-a")[-1].new_bytes == 0
+        repo.prune("run-a", luopan.retention.KeepLast(1))
+        repo.gc(grace=0)
+        repo.verify()
+    with pytest.raises(CheckpointException, match="already has a checkpoint at step 11"):  # DCP wraps errors
+        dcp.save(sd, storage_writer=luopan.dcp.Writer(repo_path, "run-a", step=11))
+
+
+class Opaque:
+    """A class DCP's planner pickles and luopan refuses to store (it would have to unpickle it)."""
+
+
+def test_values_dcp_pickles_are_stored_as_json_and_refused_when_unsafe(tmp_path):
+    with pytest.raises(CheckpointException, match="will not store"):
+        dcp.save({"w": torch.ones(2), "cfg": Opaque()}, storage_writer=luopan.dcp.Writer(tmp_path / "r", "x", 1))
+    with luopan.open(tmp_path / "r") as repo:
+        assert repo.steps("x") == []  # nothing committed
+    with pytest.raises(CheckpointException, match="not written through luopan.dcp"):
+        with luopan.open(tmp_path / "r") as repo:
+            repo.save("plain", 1, {"w": torch.ones(2)})
+        dcp.load({"w": torch.zeros(2)}, storage_reader=luopan.dcp.Reader(tmp_path / "r", "plain"))
+
+
+def test_sharded_save_at_4_loads_at_4_2_and_1(tmp_path, child_env):
+    repo_path = tmp_path / "repo"
+    proc = spawn(child_env, "save-sharded", repo_path, 4, 3)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    for world in (4, 2):
+        proc = spawn(child_env, "load-sharded", repo_path, world, 3)
+        assert proc.returncode == 0, (world, proc.stderr.decode()[-4000:])
+    target = {k: torch.zeros_like(v) for k, v in full_state(3).items()}  # one process: the shards assembled
+    target["meta"] = {}
+    dcp.load(target, storage_reader=luopan.dcp.Reader(repo_path, "run", 3))
+    for k, v in full_state(3).items():
+        assert torch.equal(target[k], v), k
+    with luopan.open(repo_path) as repo:
+        info = repo.checkpoints("run")[0]
+        assert info.logical_bytes == sum(v.numel() * v.element_size() for v in full_state(3).values())
+        loaded = repo.load("run")  # without DCP: each tensor's shards by offset
+        assert sorted(loaded["emb"]) == ["shard-0_0", "shard-16_0", "shard-32_0", "shard-48_0"]
+        repo.verify()
+
+
+def test_replicated_state_is_written_once(tmp_path, child_env):
+    proc = spawn(child_env, "save-replicated", tmp_path / "repo", 2, 1)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    state_bytes = sum(v.numel() * v.element_size() for v in full_state(1).values())
+    with luopan.open(tmp_path / "repo") as repo:
+        info = repo.checkpoints("ddp")[0]
+        assert info.logical_bytes == state_bytes and info.new_bytes == state_bytes  # 1x, not 2x
+        assert sum(repo.store.size(k) for k in repo.store.list("packs/")) < 1.05 * state_bytes + 4096
+
+
+def test_a_rank_killed_mid_save_leaves_no_checkpoint(tmp_path, child_env):
+    repo_path = tmp_path / "repo"
+    proc = spawn(child_env, "save-sharded", repo_path, 2, 1)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    proc = spawn(child_env, "save-die", repo_path, 2, 2, timeout=200)
+    assert proc.returncode != 0  # the survivor fails (a closed connection, or the 30 s collective timeout)
+    with luopan.open(repo_path) as repo:
+        assert repo.steps("run") == [1]  # step 2 never became visible
+        repo.verify()
+    target = {k: torch.zeros_like(v) for k, v in full_state(1).items()}
+    target["meta"] = {}
+    dcp.load(target, storage_reader=luopan.dcp.Reader(repo_path, "run"))  # the previous checkpoint loads
+    assert torch.equal(target["emb"], full_state(1)["emb"])
