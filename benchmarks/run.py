@@ -5,6 +5,7 @@
     python benchmarks/run.py --suite incremental [--size-mib 1024] [--quick] [--json OUT]   (P2, P4, P6, P8)
     python benchmarks/run.py --suite tiers [--size-mib 1024] [--quick] [--json OUT]         (T1, T2)
     python benchmarks/run.py --suite artifacts [--size-mib 1024] [--quick] [--json OUT]     (A1, A2, A3)
+    python benchmarks/run.py --suite dist [--size-mib 1024] [--quick] [--json OUT]          (D1, D2, D3)
 
 Runs in one process, alternating peer and luopan measurements, and prints medians and ratios. Exits 0 whether or
 not the goals are met (the table and the JSON say which are missed); exits non-zero only when it cannot run.
@@ -27,6 +28,7 @@ except ImportError:  # running from a checkout without an installed luopan
     sys.path.insert(1, os.path.join(os.path.dirname(HERE), "src"))
 
 import artifacts  # noqa: E402
+import dist  # noqa: E402
 import foundation  # noqa: E402
 import incremental  # noqa: E402
 import tiers  # noqa: E402
@@ -37,7 +39,7 @@ DEFAULT_SIZE_MIB = 1024
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts"], default="foundation")
+    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts", "dist"], default="foundation")
     ap.add_argument("--size-mib", type=int, default=None,
                     help=f"state size in MiB (default {DEFAULT_SIZE_MIB}; {QUICK_SIZE_MIB} with --quick)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE_MIB} MiB state, fewer cold repetitions")
@@ -171,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             if argv is None else " ".join(argv)
         log("done")
         artifacts.print_report(report)
+        _write_json(args.json, report)
+        return 0
+    if args.suite == "dist":
+        report = dist.run_dist(args.size_mib, args.reps, args.workdir, log)
+        report["command"] = " ".join([os.path.basename(sys.executable), "benchmarks/run.py", *sys.argv[1:]]) \
+            if argv is None else " ".join(argv)
+        log("done")
+        dist.print_report(report)
         _write_json(args.json, report)
         return 0
     if args.suite == "tiers":

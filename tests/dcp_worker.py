@@ -43,6 +43,7 @@ def run(rank: int, world: int, op: str, repo: str, port: str, step: int) -> None
                 for k, v in full.items():
                     assert torch.equal(target[k].full_tensor(), v), k
                 assert target["meta"] == {"step": step}, target["meta"]
+                dist.barrier()
                 return
             state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
             state["meta"] = {"step": step}
@@ -60,6 +61,7 @@ def run(rank: int, world: int, op: str, repo: str, port: str, step: int) -> None
             dcp.save(state, storage_writer=luopan.dcp.Writer(repo, "run", step))
         elif op == "save-replicated":  # every rank holds the whole state, as DDP does: DCP writes each item once
             dcp.save(dict(full), storage_writer=luopan.dcp.Writer(repo, "ddp", step))
+        dist.barrier()  # every rank done before any tears the group down (gloo aborts on an early teardown)
     finally:
         dist.destroy_process_group()
 

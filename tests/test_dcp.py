@@ -137,3 +137,13 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint(tmp_path, child_env):
     target["meta"] = {}
     dcp.load(target, storage_reader=luopan.dcp.Reader(repo_path, "run"))  # the previous checkpoint loads
     assert torch.equal(target["emb"], full_state(1)["emb"])
+
+
+def test_async_save_stages_then_commits(tmp_path):
+    sd = {"w": torch.randn(100, 10), "step": 3}
+    fut = dcp.async_save(sd, storage_writer=luopan.dcp.Writer(tmp_path / "r", "r", 1))
+    sd["w"].add_(1)  # async_save staged a copy: the caller may change the state at once
+    fut.result()
+    target = {"w": torch.zeros(100, 10), "step": 0}
+    dcp.load(target, storage_reader=luopan.dcp.Reader(tmp_path / "r", "r", 1))
+    assert torch.equal(target["w"] + 1, sd["w"]) and target["step"] == 3

@@ -167,5 +167,10 @@ class LockedError(LuopanError, TimeoutError):
     willing to wait. The message names the holders and how to remove a stale lock."""
 
 
+class CollectiveError(LuopanError, RuntimeError):
+    """A collective save (``repo.save(..., group=…)``) failed on some rank, or lost contact with one (the message
+    names it); nothing was committed."""
+
+
 class GcError(LuopanError, RuntimeError):
     """Garbage collection cannot run safely (e.g. a damaged manifest: gc cannot tell what that checkpoint needs)."""

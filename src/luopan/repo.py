@@ -9,7 +9,7 @@ from typing import Any
 from .artifact.api import Artifacts
 from .artifact.kind import ARTIFACTS_KIND
 from .checkpoint.api import Checkpoints
-from .checkpoint.parts import Parts
+from .checkpoint.collective import Collective
 from .checkpoint.kind import CHECKPOINTS
 from .checkpoint.rowdelta import DeltaPolicy
 from .format.config import Compression, RepoConfig
@@ -20,7 +20,7 @@ from .repository.tiersetup import attach
 from .store import Store
 
 
-class Repo(Parts, Checkpoints, Artifacts):
+class Repo(Collective, Checkpoints, Artifacts):
     """A luopan repository: checkpoints of runs and versioned artifacts, sharing one content-addressed store.
     Not safe for concurrent writes from several threads of one process."""
 
