@@ -125,8 +125,15 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             with open(tmp, "w") as f:
                 json.dump(out, f)
             os.replace(tmp, cfg["result_path"])
+        tdist.barrier()
     finally:
         tdist.destroy_process_group()
+    # Done: leave without interpreter finalization. Objects that outlive destroy_process_group (the device mesh,
+    # DCP's cached state) can otherwise tear gloo's worker threads down mid-finalization, an occasional SIGABRT
+    # ("terminate called without an active exception") after every result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Worker:
@@ -428,7 +435,7 @@ def assemble(w: dict[str, Any], size_mib: int, reps: int, port: int, machine: di
         luopan_new_bytes=[x["new_bytes"] for x in w["lp_first"]])
     second_new = [x["new_bytes"] for x in w["lp_second"]]
     d2 = _ratio_result(
-        "D2.dcp_resave_vs_filesystem", "FileSystemWriter, new dir", "dcp.save with FileSystemWriter(a new "
+        "D2.dcp_resave_vs_filesystem", "FileSystemWriter", "dcp.save with FileSystemWriter(a new "
         "directory) after one training step: it writes the whole state again", "d2_fs", "d2_lp", 10, s, nbytes,
         "After the first save (D1), one training step updates every element of a fixed set of whole tensors "
         f"({len(w['trainable'])} tensors, {w['changed_bytes']} bytes = {100 * w['changed_bytes'] / nbytes:.2f}% "
@@ -603,7 +610,7 @@ def print_report(report: dict[str, Any]) -> None:
         console = Console(width=None if sys.stdout.isatty() else 118)
         t = Table(title=title, title_justify="left")
         for i, h in enumerate(head):
-            t.add_column(h, justify="right" if 2 <= i <= 4 else "left")
+            t.add_column(h, justify="right" if 2 <= i <= 4 else "left", no_wrap=i == 0)
         for row in rows:
             style = "green" if row[-1] == "met" else "bold red"
             t.add_row(*row[:-1], f"[{style}]{row[-1]}[/{style}]")
