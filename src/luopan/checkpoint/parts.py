@@ -73,19 +73,26 @@ class Parts(Saving):
         new: dict[str, Any] = {}
         entries = []
 
+        previous = self._parts_rows
+
         def items() -> Any:
             for i, leaf in enumerate(leaves):
                 data = leaf.host_bytes()
                 mode, spans = chunk_spans(leaf.nbytes, leaf.shape, self.config.chunk_size)
                 entries.append({"path": leaf.path, "kind": leaf.kind, "dtype": leaf.dtype, "shape": list(leaf.shape),
                                 "nbytes": leaf.nbytes, "chunking": mode})
-                for off, length in spans:
-                    yield i, data[off : off + length]
+                prev = previous.get(leaf.path, [])
+                for k, (off, length) in enumerate(spans):
+                    yield i, data[off : off + length], prev[k] if k < len(prev) else None
 
-        def work(item: tuple[int, memoryview]) -> tuple[int, str, memoryview, int, str, str]:
-            i, view = item
-            h = blake3.blake3(view).hexdigest()
+        def work(item: tuple[int, memoryview, tuple[str, int, str] | None]
+                 ) -> tuple[int, str, memoryview, int, str, str]:
+            i, view, prev = item
             x = xxhash.xxh3_128_hexdigest(view)
+            # docs/format.md §5.1: a chunk whose XXH3-128 and size equal this process's previous part at the same
+            # place keeps that BLAKE3 address (rows this process computed itself, never ones read from disk)
+            h = prev[0] if prev is not None and prev[1] == len(view) and prev[2] == x else \
+                blake3.blake3(view).hexdigest()
             if codec == "zstd" and h not in known:
                 z = compressor(level).compress(view)
                 if len(z) < len(view):
@@ -115,6 +122,8 @@ class Parts(Saving):
         writer.close()
         locations = {h: BlobLocation(b.pack_id, off, length, size, c) for h, (b, off, length, size, c) in new.items()}
         self.learned(locations, index_name)
+        for leaf, entry_rows in zip(leaves, rows):
+            self._parts_rows[leaf.path] = entry_rows
         for e, entry_rows in zip(entries, rows):
             e["chunks"] = []
             for h, size, x in entry_rows:

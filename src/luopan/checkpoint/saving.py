@@ -49,6 +49,8 @@ class Saving(RepositoryCore):
         self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
         self._recorded: set[str] = set()  # runs whose record this process has written or found
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
+        # key path -> (hash, size, xxh3) per chunk this process last stored there in parts (store_entries)
+        self._parts_rows: dict[str, list[tuple[str, int, str]]] = {}
         self._buffers = HostBuffers()
         self._worker: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
@@ -60,6 +62,7 @@ class Saving(RepositoryCore):
         self._buffers.clear()
         self._versions.clear()
         self._tracks.clear()
+        self._parts_rows.clear()
         super()._release()
 
     def check_inputs(self, inputs: list[str] | None) -> list[str]:
