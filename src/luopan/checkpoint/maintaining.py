@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, UnreadableError
-from ..format.names import check_run, check_step
+from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, UnreadableError, UsageError
+from ..format.names import check_run, check_step, manifest_key
+from ..repository.locks import locked
 from ..repository.pins import pin_problems
 from ..repository.verify import index_problems, raise_problems, verify_manifests
 from ..repository.pruning import prune_series
@@ -70,6 +71,22 @@ class Maintaining(Saving, Reading):
                               [s for s in strays if not s.unreadable])
         raise_problems(problems, report)
         return report
+
+    def delete(self, run: str, step: int) -> bool:
+        """Remove checkpoint ``step`` of ``run`` now (its manifest; the chunks only it used go at the next gc).
+        A pinned checkpoint is refused (UsageError: unpin it first). Returns whether it existed."""
+        check_run(run)
+        step = check_step(step)
+        self.drain()
+        with locked(self.store, "exclusive", f"delete of {run} step {step}", timeout=self.lock_timeout,
+                    where=self.where):
+            if step in self.run(run).pins():
+                raise UsageError(f"run {run!r} step {step} is pinned: unpin it first (luopan unpin {run} {step})")
+            key = manifest_key(run, step)
+            if not self.store.exists(key):
+                return False
+            self.store.delete(key)
+            return True
 
     def replication_status(self, run: str) -> dict[int, str]:
         """step -> "local" | "replicating" | "replicated" | "remote" (evicted locally) | "cold" of a tiered repo."""
