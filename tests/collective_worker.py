@@ -25,10 +25,18 @@ def state(rank: int, step: int) -> dict:
     g = torch.Generator().manual_seed(step)  # the same on every rank: replicated, as DDP keeps it
     model = {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
     return {"model": model, "rng": torch.full((8,), float(rank * 100 + step)),  # differs per rank
-            "step": step, "tied": model["w"]}
+            "step": step, "tied": model["w"],
+            "kind": torch.zeros(2, dtype=torch.int32 if rank == 0 else torch.float32)}  # equal bytes, other dtypes
 
 
 def run(rank: int, world: int, op: str, repo_path: str, port: str, step: int) -> None:
+    _run(rank, world, op, repo_path, port, step)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # done: skip interpreter teardown, where gloo's threads sometimes abort ("terminate called …")
+
+
+def _run(rank: int, world: int, op: str, repo_path: str, port: str, step: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
     try:

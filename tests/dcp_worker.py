@@ -30,6 +30,13 @@ def full_state(step: int) -> dict[str, torch.Tensor]:
 
 
 def run(rank: int, world: int, op: str, repo: str, port: str, step: int) -> None:
+    _run(rank, world, op, repo, port, step)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # done: skip interpreter teardown, where gloo's threads sometimes abort ("terminate called …")
+
+
+def _run(rank: int, world: int, op: str, repo: str, port: str, step: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     try:

@@ -36,7 +36,7 @@ def test_collective_save_writes_replicated_state_once(tmp_path, child_env, world
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]
     info = json.loads((tmp_path / "info.json").read_text())
     replicated = (256 * 64 + 64) * 4
-    per_rank = 8 * 4 * world
+    per_rank = 8 * 4 * world + 2 * 4 * world  # rng, and "kind" (zero bytes everywhere, but dtypes differ)
     assert info["new_bytes"] == replicated + per_rank  # once in total, not world times
     packs = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(repo_path / "packs") for f in fs)
     assert packs < 1.05 * (replicated + per_rank) + 4096 * world
@@ -46,7 +46,8 @@ def test_collective_save_writes_replicated_state_once(tmp_path, child_env, world
         assert sorted(whole["rng"]) == [f"rank-{r}" for r in range(world)]
         assert torch.equal(whole["rng"]["rank-1"], state(1, 1)["rng"])
         assert whole["step"] == 1 and whole["tied"] is whole["model"]["w"]
-        assert repo.manifest("run", 1).doc["ranks"] == {"world": world, "per_rank": ["rng"]}
+        assert repo.manifest("run", 1).doc["ranks"] == {"world": world, "per_rank": ["rng", "kind"]}  # leaf order
+        assert whole["kind"]["rank-0"].dtype == torch.int32 and whole["kind"]["rank-1"].dtype == torch.float32
         repo.verify()
     proc = spawn(child_env, "load", repo_path, world, 1)  # each rank gets its own values back
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]

@@ -147,3 +147,14 @@ def test_async_save_stages_then_commits(tmp_path):
     target = {"w": torch.zeros(100, 10), "step": 0}
     dcp.load(target, storage_reader=luopan.dcp.Reader(tmp_path / "r", "r", 1))
     assert torch.equal(target["w"] + 1, sd["w"]) and target["step"] == 3
+
+
+def test_a_part_whose_reused_pack_vanished_is_not_committed(repo):
+    """commit_entries checks, under its lock, that every pack the parts name is still there (a gc may have swept
+    a pack a part reused between the part and the commit)."""
+    stored = repo.store_entries([("w", torch.arange(1000.0))])
+    for key in list(repo.store.list("packs/")):
+        repo.store.delete(key)
+    with pytest.raises(luopan.MissingPackError, match="was not committed"):
+        repo.commit_entries("r", 1, stored.entries, {"dict": [["w", {"entry": 0}]]})
+    assert repo.steps("r") == []

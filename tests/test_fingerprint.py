@@ -28,3 +28,5 @@ def test_fingerprint_is_over_content_not_only_names_and_shapes():
     assert fingerprint({"x": np.arange(3)}) != fingerprint({"y": np.arange(3)})  # key paths count
     assert fingerprint({"x": np.arange(3, dtype=np.int64)}) != fingerprint({"x": np.arange(3, dtype=np.int32)})
     assert luopan.torch.fingerprint is fingerprint
+    z = torch.complex(torch.ones(3), torch.arange(3.0))
+    assert fingerprint({"w": z}) != fingerprint({"w": z.conj()})  # the conjugate bit is part of a cached tensor's key

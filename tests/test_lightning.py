@@ -18,6 +18,15 @@ from .lightning_job import Net, fit
 JOB = os.path.join(os.path.dirname(__file__), "lightning_job.py")
 
 
+@pytest.fixture(autouse=True)
+def restore_determinism():
+    """Trainer(deterministic=True) turns torch's deterministic algorithms on for the whole process: turn them back
+    off afterwards, or later tests meet torch.empty filling memory (unsupported for some dtypes)."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def same_weights(a: Net, b: Net) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -61,3 +70,14 @@ def test_pointer_errors_are_clear(tmp_path):
         io.load_checkpoint(tmp_path / "x.ckpt")
     io.remove_checkpoint(tmp_path / "x.ckpt")  # not ours: left alone
     assert (tmp_path / "x.ckpt").exists()
+
+
+def test_a_pointer_into_another_run_is_only_unlinked(tmp_path):
+    repo = str(tmp_path / "repo")
+    fit(repo, str(tmp_path / "ck"), "other", 1)
+    pointer = tmp_path / "ck" / "last.ckpt"
+    io = LuopanCheckpointIO(repo, "mine")
+    io.remove_checkpoint(pointer)
+    assert not pointer.exists()
+    with luopan.open(repo) as r:
+        assert r.steps("other") == [8]  # its checkpoint stays: the pointer named another run

@@ -94,6 +94,10 @@ def test_everything_unsupported_is_refused_at_once(repo):
     ({"type": "pickle", "v": "gASV"}, "unknown type 'pickle'"),
     ({"type": "set", "v": [{"dict": []}]}, "set"),  # an unhashable member
     ({"type": "decimal", "v": "one"}, "decimal"),
+    ({"type": "set", "v": ["x"]}, "malformed tree node"),  # members must be tree nodes
+    ({"type": "dataclass", "class": "m.C", "v": {"dict": [["a", {"entry": -1}]]}}, "names entry -1"),
+    ({"type": "dataclass", "class": "m.C", "v": {"dict": [["a", {"entry": "x"}]]}}, "names entry x"),
+    ({"type": "namedtuple", "class": "m.P", "v": {"dict": [[{"k": 1}, {"int": 1}]]}}, "malformed dict node"),
 ])
 def test_damaged_typed_values_are_refused_on_load(repo, spec, match):
     repo.save("t", 1, {"x": 1})

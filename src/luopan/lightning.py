@@ -20,7 +20,7 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core.saving import _load_state
 
-from .errors import CorruptRepoError, OutputPathError
+from .errors import CheckpointExistsError, CorruptRepoError, OutputPathError
 from .format.names import check_run, check_step
 from .repo import Repo, open as open_repo
 
@@ -55,6 +55,7 @@ class LuopanCheckpointIO(CheckpointIO):
         self.location = _location(repo_or_url)
         self.run = check_run(run)
         self._repo = repo_or_url if isinstance(repo_or_url, Repo) else None
+        self._pointers: dict[str, int] = {}  # pointer path -> step, every pointer this plugin wrote
 
     @property
     def repo(self) -> Repo:
@@ -67,17 +68,24 @@ class LuopanCheckpointIO(CheckpointIO):
         metrics = {k: v for k, v in (checkpoint.get("callback_metrics") or {}).items()
                    if isinstance(v, (int, float))}
         # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
-        path = os.fspath(path)
+        path = os.path.abspath(os.fspath(path))
         try:
             before = read_pointer(path) if os.path.exists(path) else None
         except CorruptRepoError:
             before = None
+        if step in self.repo.steps(self.run) and step not in self._pointers.values():
+            # Not written by this fit: a pointer elsewhere may name it (training again after resuming from an
+            # earlier checkpoint reaches steps that exist). Replacing it would change what that pointer loads.
+            raise CheckpointExistsError(
+                f"run {self.run!r} already has a checkpoint at step {step} from an earlier fit: give this branch of "
+                "training its own run (LuopanCheckpointIO(repo, 'new-run')), or delete that step first")
+        # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
         self.repo.save(self.run, step, checkpoint, metrics=metrics or None, overwrite=True,
                        metadata={"lightning_path": path})
         self._write_pointer(path, step)
-        if before is not None and (before["repo"], before["run"]) == (self.location, self.run) and \
-                before["step"] != step and not _named_elsewhere(os.path.dirname(os.path.abspath(path)), before):
-            self.repo.delete(before["run"], before["step"])  # `last` moved on: its old step is nobody's now
+        self._pointers[path] = step
+        if before is not None and before["step"] != step and self._owns(before):
+            self._forget(before, os.path.dirname(path))  # `last` moved on: its old step may be nobody's now
 
     def _write_pointer(self, path: str, step: int) -> None:
         doc = {"format": POINTER_FORMAT, "repo": self.location, "run": self.run, "step": step}
@@ -104,14 +112,25 @@ class LuopanCheckpointIO(CheckpointIO):
         return repo.load(ptr["run"], ptr["step"])
 
     def remove_checkpoint(self, path: Any) -> None:
-        path = os.fspath(path)
+        path = os.path.abspath(os.fspath(path))
         try:
             ptr = read_pointer(path)
         except CorruptRepoError:
             return
         os.unlink(path)
-        if not _named_elsewhere(os.path.dirname(os.path.abspath(path)), ptr):
-            self.repo.delete(ptr["run"], ptr["step"])
+        self._pointers.pop(path, None)
+        if self._owns(ptr):  # a pointer into another repository or run is only unlinked
+            self._forget(ptr, os.path.dirname(path))
+
+    def _owns(self, ptr: dict[str, Any]) -> bool:
+        return (ptr["repo"], ptr["run"]) == (self.location, self.run)
+
+    def _forget(self, ptr: dict[str, Any], directory: str) -> None:
+        """Delete the checkpoint a removed or moved pointer named, unless another pointer still names it (one this
+        plugin wrote anywhere, or any in the same directory)."""
+        if ptr["step"] in self._pointers.values() or _named_elsewhere(directory, ptr):
+            return
+        self.repo.delete(ptr["run"], ptr["step"])
 
     def teardown(self) -> None:
         if self._repo is not None:

@@ -95,7 +95,7 @@ def _stable(items: Any) -> list[Any]:
     """Set members in a deterministic order (so a manifest does not depend on hash seeds)."""
     try:
         return sorted(items)
-    except TypeError:
+    except Exception:  # noqa: BLE001 - members that do not compare (mixed types, tensors): order by repr
         return sorted(items, key=repr)
 
 
@@ -122,8 +122,8 @@ def children(spec: Any) -> list[Node]:
         return []
     kind, v = spec.get("type"), spec.get("v")
     if kind in ("set", "frozenset") and isinstance(v, list):
-        return [n for n in v if isinstance(n, dict)]
-    if kind in PLAIN and isinstance(v, dict):
+        return list(v)  # each checked by the manifest's tree walk
+    if kind in PLAIN:
         return [v]
     return []
 
@@ -180,7 +180,8 @@ def decode(spec: Any, where: str, rebuild: Callable[[Node], Any]) -> Any:
             return _torch(where).device(v)
     except CorruptManifestError:
         raise
-    except (ValueError, TypeError, OverflowError, binascii.Error, decimal.InvalidOperation, RuntimeError) as exc:
+    except (ValueError, TypeError, OverflowError, AttributeError, KeyError, binascii.Error, decimal.InvalidOperation,
+            RuntimeError) as exc:
         raise bad(f"{kind}: {str(exc)[:120]}") from None
     raise bad(f"unknown type {str(kind)[:40]!r} (written by a newer luopan?)")
 

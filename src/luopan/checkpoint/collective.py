@@ -53,9 +53,18 @@ class Collective(Parts):
         if group is None or group is False:
             return super().load(run, step)
         dist = _dist()
-        rank = dist.get_rank(_group(group))
+        g = _group(group)
+        rank = dist.get_rank(g)
+        if step is None:  # rank 0 resolves "latest" for all: a commit between two ranks' reads cannot mix steps
+            chosen = [self.steps(run)[-1] if rank == 0 and self.steps(run) else None]
+            dist.broadcast_object_list(chosen, src=dist.get_global_rank(g, 0), group=g)
+            step = chosen[0]
         m = self.manifest(run, step)
-        per_rank = set(m.doc.get("ranks", {}).get("per_rank", []))
+        ranks = m.doc.get("ranks", {})
+        per_rank = set(ranks.get("per_rank", []))
+        if per_rank and rank >= int(ranks.get("world", 0)):
+            raise UsageError(f"run {run!r} step {m.step} was saved by {ranks.get('world')} ranks and keeps per-rank "
+                             f"values; rank {rank} has none: load it with at most that many ranks, or without group")
         tree = _own_rank(m.tree, "", per_rank, rank)
         return unflatten(tree, lambda i: self.load_entry(m, i), f"run {run!r} step {m.step}")
 
@@ -75,18 +84,25 @@ def _own_rank(node: dict[str, Any], path: str, per_rank: set[str], rank: int) ->
         return {"dict": [[k, _own_rank(v, join_path(path, k), per_rank, rank)] for k, v in value]}
     if tag in ("list", "tuple"):
         return {tag: [_own_rank(v, join_path(path, i), per_rank, rank) for i, v in enumerate(value)]}
+    if tag == "typed":  # a dataclass or namedtuple keeps its fields' key paths (module luopan.typed)
+        spec = dict(value)
+        if spec.get("type") in typed.PLAIN and isinstance(spec.get("v"), dict):
+            spec["v"] = _own_rank(spec["v"], path, per_rank, rank)
+        return {"typed": spec}
     return node
 
 
-def _agree(dist: Any, group: Any, ok: bool, what: str) -> list[Any]:
+def _agree(dist: Any, group: Any, ok: bool, what: Any, committing: bool = False) -> list[Any]:
     """All ranks' (ok, detail); CollectiveError on every rank when any failed."""
     world = dist.get_world_size(group)
     out: list[Any] = [None] * world
     try:
         dist.all_gather_object(out, (ok, what), group=group)
     except Exception as exc:  # noqa: BLE001 - a dead rank, a timeout: the group is broken
+        outcome = ("rank 0 may have committed it: check with repo.steps(run)" if committing
+                   else "nothing was committed")
         raise CollectiveError(f"a collective save lost contact with a rank ({type(exc).__name__}: "
-                              f"{str(exc)[:300]}); nothing was committed") from None
+                              f"{str(exc)[:300]}); {outcome}") from None
     failed = [(r, d) for r, (o, d) in enumerate(out) if not o]
     if failed:
         shown = "; ".join(f"rank {r}: {d}" for r, d in failed[:4])
@@ -99,9 +115,9 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                      overwrite: bool = False, inputs: list[str] | None = None) -> CheckpointInfo:
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    repo.drain()
     # 1. what every rank holds
     try:
+        repo.drain()  # inside: an error of this rank's save_async reaches every rank, not only this one
         check_run(run)
         step = check_step(step)
         skeleton, leaves = flatten(state)
@@ -121,7 +137,7 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
     owner: dict[str, int] = {}
     per_rank: list[str] = []
     for i, row in enumerate(everyone[0][0]):
-        path, digests = row[0], {m[i][5] for m, _s in everyone}
+        path, digests = row[0], {(m[i][1], m[i][2], tuple(m[i][3]), m[i][5]) for m, _s in everyone}
         if len(digests) == 1:
             r = min(range(world), key=lambda k: (load[k], k))
             owner[path] = r
@@ -149,12 +165,12 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                     entries.append(e)
             tree = _tree(skeleton, leaves, index, set(per_rank), world)
             info = repo.commit_entries(run, step, entries, tree, metrics=metrics, metadata=metadata,
-                                       overwrite=overwrite, written=written,
+                                       overwrite=overwrite, written=written, inputs=inputs,
                                        extra={"ranks": {"world": world, "per_rank": per_rank}} if per_rank else None)
         ok, detail = True, None
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, f"{type(exc).__name__}: {exc}"
-    _agree(dist, group, ok, detail)
+    _agree(dist, group, ok, detail, committing=True)
     return info if info is not None else CheckpointInfo.from_manifest(repo.manifest(run, step),
                                                                       manifest_key(run, step))
 

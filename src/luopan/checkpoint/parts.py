@@ -15,14 +15,14 @@ import blake3
 import xxhash
 
 from .. import typed
-from ..errors import CheckpointExistsError, UnsupportedValueError
+from ..errors import CheckpointExistsError, MissingPackError, UnsupportedValueError
 from ..format import BASE_FORMAT_VERSION
 from ..format.canonical import sealed_checksum
 from ..format.chunking import chunk_spans
 from ..format.index import build_index
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import encode_metrics, parse_manifest, seal_manifest, structure_fingerprint
-from ..format.names import check_run, check_step, index_key, latest_ref_key, manifest_key
+from ..format.names import check_run, check_step, index_key, latest_ref_key, manifest_key, pack_key
 from ..format.pack import BlobLocation
 from ..format.refs import build_ref
 from ..repository.locks import locked
@@ -135,7 +135,7 @@ class Parts(Saving):
     def commit_entries(self, run: str, step: int, entries: list[dict[str, Any]], tree: dict[str, Any], *,
                        metrics: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
                        extra: dict[str, Any] | None = None, overwrite: bool = False,
-                       written: dict[str, int] | None = None) -> CheckpointInfo:
+                       written: dict[str, int] | None = None, inputs: list[str] | None = None) -> CheckpointInfo:
         """Commit one manifest listing ``entries`` (from ``store_entries`` of any process) under ``tree`` (a skeleton
         whose ``{"entry": i}`` nodes index ``entries``); ``extra`` members are added to it (e.g. ``dcp``). Raises
         CheckpointExistsError when the step exists (unless ``overwrite``)."""
@@ -159,6 +159,9 @@ class Parts(Saving):
         code = code_version()
         if code is not None:
             doc["code"] = code
+        checked_inputs = self.check_inputs(inputs)
+        if checked_inputs:
+            doc["inputs"] = checked_inputs
         data = seal_manifest(doc)
         if len(data) > MAX_MANIFEST_BYTES:
             raise UnsupportedValueError(f"the manifest of run {run!r} step {step} would be {len(data)} bytes, more "
@@ -167,11 +170,26 @@ class Parts(Saving):
         parse_manifest(data, key, run, step)  # what readers will check, before it is visible
         with locked(self.store, "shared", f"commit of {run} step {step}", timeout=self.lock_timeout,
                     where=self.where):
-            if overwrite:
-                self.store.put(key, data)
-            elif not self.store.put_if_absent(key, data):
-                raise CheckpointExistsError(f"run {run!r} already has a checkpoint at step {step}; pass "
-                                            "overwrite=True to replace it")
+            # A part may reuse a chunk of a pack that was unreferenced then; a gc between that part and this commit
+            # could have swept it. Under this lock no gc runs: every pack is checked here, and live once committed.
+            gone = [p for p in packs if not self.store.exists(pack_key(p))]
+            if gone:
+                raise MissingPackError(f"run {run!r} step {step} was not committed: pack {gone[0][:16]}… that a part "
+                                       "reused was removed meanwhile (by gc); save again")
+            try:
+                if overwrite:
+                    self.store.put(key, data)
+                elif not self.store.put_if_absent(key, data):
+                    raise CheckpointExistsError(f"run {run!r} already has a checkpoint at step {step}; pass "
+                                                "overwrite=True to replace it")
+            except OSError:
+                if not overwrite:  # maybe visible but not durable: a save that raises leaves no checkpoint
+                    try:
+                        if self.store.get(key) == data:
+                            self.store.delete(key)
+                    except OSError:
+                        pass
+                raise
         try:
             self.store.put(latest_ref_key(run), build_ref(run, step, sealed_checksum(data)))
         except OSError as exc:

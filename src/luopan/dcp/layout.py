@@ -47,6 +47,31 @@ def encode_metadata(md: Metadata, storage: list[list[Any]]) -> dict[str, Any]:
             "version": md.version}
 
 
+def check_storage(metadata: Metadata, storage: dict[MetadataIndex, Any], entries: list[dict[str, Any]],
+                  where: str) -> None:
+    """Every item's data is an entry of the manifest whose shape is the item's chunk (or a JSON value): a layout that
+    disagrees with the entries would make DCP read the wrong region."""
+    def bad(why: str) -> CorruptManifestError:
+        return CorruptManifestError(f"manifest {where}: its DCP layout is damaged: {why}")
+
+    for index, info in storage.items():
+        item = metadata.state_dict_metadata.get(index.fqn)
+        if item is None or not isinstance(info, dict):
+            raise bad(f"item {index.fqn!r} is not in the layout")
+        if isinstance(item, BytesStorageMetadata):
+            if not isinstance(info.get("value"), dict):
+                raise bad(f"value {index.fqn!r} has no JSON node")
+            continue
+        i = info.get("entry")
+        if type(i) is not int or not 0 <= i < len(entries):
+            raise bad(f"item {index.fqn!r} names entry {str(i)[:20]}")
+        chunk = next((c for c in item.chunks if list(c.offsets) == list(index.offset or [0] * len(item.size))), None)
+        if chunk is None or list(chunk.sizes) != list(entries[i]["shape"]):
+            raise bad(f"item {index.fqn!r} at {list(index.offset or [])} is not the shape of its entry")
+        if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, item.size)):
+            raise bad(f"item {index.fqn!r} lies outside its tensor")
+
+
 def decode_metadata(doc: Any, where: str) -> tuple[Metadata, dict[MetadataIndex, Any]]:
     """(the DCP Metadata, item index -> where its data is) of a manifest's ``dcp`` member."""
     try:
@@ -64,6 +89,7 @@ def decode_metadata(doc: Any, where: str) -> tuple[Metadata, dict[MetadataIndex,
         if doc["mappings"] is not None:
             planner_data = {k: tuple(v) for k, v in doc["mappings"]}
         storage = {index_of(i): where_ for i, where_ in doc["storage"]}
-        return Metadata(sd_md, planner_data=planner_data, storage_data=storage, version=doc.get("version")), storage
+        metadata = Metadata(sd_md, planner_data=planner_data, storage_data=storage, version=doc.get("version"))
+        return metadata, storage
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptManifestError(f"manifest {where}: its DCP layout is damaged: {str(exc)[:200]}") from None

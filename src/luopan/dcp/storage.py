@@ -29,7 +29,7 @@ from ..errors import CheckpointExistsError, CorruptManifestError, UnsupportedVal
 from ..format.names import check_run, check_step, escape_key, join_path, manifest_key
 from ..repo import Repo, open as open_repo
 from ..tree import flatten, unflatten
-from .layout import decode_metadata, encode_metadata, index_json
+from .layout import check_storage, decode_metadata, encode_metadata, index_json
 
 
 def _repo(repo_or_url: Repo | str | os.PathLike[str], create: bool) -> Repo:
@@ -190,7 +190,9 @@ class Reader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         m = self._load_manifest()
-        metadata, self._storage = decode_metadata(m.doc["dcp"], f"run {self.run!r} step {m.step}")
+        where = f"run {self.run!r} step {m.step}"
+        metadata, self._storage = decode_metadata(m.doc["dcp"], where)
+        check_storage(metadata, self._storage, m.entries, where)
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -223,8 +225,12 @@ class Reader(StorageReader):
             if i not in cache:
                 cache[i] = repo.load_entry(m, i)
             src_part = cache[i]
-            for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                src_part = src_part.narrow(dim, off, length)
+            try:
+                for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    src_part = src_part.narrow(dim, off, length)
+            except (IndexError, RuntimeError) as exc:
+                raise CorruptManifestError(f"{where}: DCP asked for a region of {item.storage_index.fqn!r} outside "
+                                           f"its stored chunk ({exc})") from None
             target = planner.resolve_tensor(item).detach()
             if target.shape != src_part.shape:
                 raise CorruptManifestError(f"{where}: {item.storage_index.fqn!r} is {tuple(src_part.shape)} here, "

@@ -20,6 +20,9 @@ from .canonical import SealError, canonical, digest, parse_object, seal, verify_
 from .limits import MAX_NBYTES, MAX_NDIM, shape_fits
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+NODE_TAGS = ("dict", "list", "tuple", "entry", "int", "float", "str", "bool", "none", "typed")
+SCALAR_TYPES: dict[str, Any] = {"int": int, "float": (int, float, str), "str": str, "bool": bool,
+                                "none": type(None)}
 
 
 @cache
@@ -223,19 +226,31 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
             if chunk_bytes(d["values"], npacks, path, bad) != d["rows"] * (e["nbytes"] // nrows):
                 raise bad(f"entry {path!r} delta values are not {d['rows']} rows of {e['nbytes'] // nrows} bytes")
 
-    def walk(node: dict[str, Any]) -> None:
+    def walk(node: Any, checked: bool = True) -> None:
+        """``checked``: the schema validated this node; nodes inside a typed value are checked here instead."""
+        if not checked and not (isinstance(node, dict) and len(node) == 1 and next(iter(node)) in NODE_TAGS):
+            raise bad(f"a typed value holds a malformed tree node {str(node)[:60]}")
         (tag, value), = node.items()
         if tag == "dict":
+            if not checked and not (isinstance(value, list) and all(
+                    isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], (str, int)) for kv in value)):
+                raise bad("a typed value holds a malformed dict node")
             for _k, v in value:
-                walk(v)
+                walk(v, checked)
         elif tag in ("list", "tuple"):
+            if not checked and not isinstance(value, list):
+                raise bad(f"a typed value holds a malformed {tag} node")
             for v in value:
-                walk(v)
+                walk(v, checked)
         elif tag == "typed":
+            if not isinstance(value, dict):
+                raise bad("a typed node is not an object")
             for v in typed.children(value):
-                walk(v)
-        elif tag == "entry" and value >= len(entries):
-            raise bad(f"tree names entry #{value} of {len(entries)}")
+                walk(v, False)
+        elif tag == "entry" and (type(value) is not int or not 0 <= value < len(entries)):
+            raise bad(f"tree names entry {str(value)[:20]} of {len(entries)}")
+        elif not checked and tag in SCALAR_TYPES and not isinstance(value, SCALAR_TYPES[tag]):
+            raise bad(f"a typed value holds a malformed {tag} node")
 
     try:
         walk(doc["tree"])

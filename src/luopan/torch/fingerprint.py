@@ -43,12 +43,16 @@ def _digest(leaf: Any) -> str:
     key = None
     if leaf.kind == "torch" and not t.is_inference() and leaf.nbytes:
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device),
+               t.is_conj(), t.is_neg())
         hit = _cache.get(key)
         if hit is not None and hit[0]() is storage and hit[1] == t._version:
             return hit[2]
     digest = blake3.blake3(leaf.host_bytes()).hexdigest()
     if key is not None:
+        if len(_cache) > 100_000:  # drop the digests of storages that are gone
+            for k in [k for k, (ref, _v, _d) in _cache.items() if ref() is None]:
+                del _cache[k]
         try:
             _cache[key] = (weakref.ref(t.untyped_storage()), t._version, digest)
         except TypeError:
