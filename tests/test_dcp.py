@@ -158,3 +158,16 @@ def test_a_part_whose_reused_pack_vanished_is_not_committed(repo):
     with pytest.raises(luopan.MissingPackError, match="was not committed"):
         repo.commit_entries("r", 1, stored.entries, {"dict": [["w", {"entry": 0}]]})
     assert repo.steps("r") == []
+
+
+def test_readme_dcp_example_runs_as_written(tmp_path, child_env):
+    import re
+
+    from .conftest import ROOT
+
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "luopan.dcp.Writer" in b]
+    proc = subprocess.run([PYTHON, "-c", block], cwd=tmp_path, env=child_env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    with luopan.open(tmp_path / "ckpts") as repo:
+        assert repo.steps("run-dcp") == [100]
