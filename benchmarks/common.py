@@ -249,3 +249,35 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+# -- results shared by the suites that report peer seconds / luopan seconds ---------------------------------
+def ratio_result(rid: str, short: str, peer: str, peer_key: str, lp_key: str, goal: float,
+                  samples: dict[str, list[float]], nbytes: int, notes: str, **extra: Any) -> dict[str, Any]:
+    p, lp = median(samples[peer_key]), median(samples[lp_key])
+    r = ratio(p, lp)
+    return {
+        "id": rid,
+        "peer": peer,
+        "peer_short": short,
+        "ratio": r,
+        "value": r,
+        "goal": goal,
+        "goal_op": ">=",
+        "met": r is not None and r >= goal,
+        "unit": "peer median seconds / luopan median seconds (> 1: luopan faster)",
+        "peer_s": p,
+        "luopan_s": lp,
+        "peer_gib_s": nbytes / (1 << 30) / p if p else None,
+        "luopan_gib_s": nbytes / (1 << 30) / lp if lp else None,
+        "peer_samples_s": samples[peer_key],
+        "luopan_samples_s": samples[lp_key],
+        "peer_spread_s": spread(samples[peer_key]),
+        "luopan_spread_s": spread(samples[lp_key]),
+        **extra,
+        "notes": notes,
+    }
+
+
+def fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)

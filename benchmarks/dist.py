@@ -43,6 +43,8 @@ import warnings
 from typing import Any
 
 from artifacts import dir_bytes
+from common import fmt as _fmt
+from common import ratio_result as _ratio_result
 from common import (
     MIB,
     loadavg,
@@ -52,7 +54,6 @@ from common import (
     ratio,
     remove,
     settle,
-    spread,
 )
 from foundation import build_state, state_layout
 
@@ -536,38 +537,7 @@ def _scattered(w: dict[str, Any], s: dict[str, list[float]], nbytes: int) -> dic
     }
 
 
-def _ratio_result(rid: str, short: str, peer: str, peer_key: str, lp_key: str, goal: float,
-                  samples: dict[str, list[float]], nbytes: int, notes: str, **extra: Any) -> dict[str, Any]:
-    p, lp = median(samples[peer_key]), median(samples[lp_key])
-    r = ratio(p, lp)
-    return {
-        "id": rid,
-        "peer": peer,
-        "peer_short": short,
-        "ratio": r,
-        "value": r,
-        "goal": goal,
-        "goal_op": ">=",
-        "met": r is not None and r >= goal,
-        "unit": "peer median seconds / luopan median seconds (> 1: luopan faster)",
-        "peer_s": p,
-        "luopan_s": lp,
-        "peer_gib_s": nbytes / (1 << 30) / p if p else None,
-        "luopan_gib_s": nbytes / (1 << 30) / lp if lp else None,
-        "peer_samples_s": samples[peer_key],
-        "luopan_samples_s": samples[lp_key],
-        "peer_spread_s": spread(samples[peer_key]),
-        "luopan_spread_s": spread(samples[lp_key]),
-        **extra,
-        "notes": notes,
-    }
-
-
 # -- the table -------------------------------------------------------------------------------------------------
-
-
-def _fmt(x: Any, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def print_report(report: dict[str, Any]) -> None:

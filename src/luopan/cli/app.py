@@ -122,6 +122,18 @@ def report_strays(r: Repo, run: str | None = None) -> None:
 human = format_bytes  # a size for people, binary units: 512 B, 1.5 MiB (luopan.units.format_bytes)
 
 
+def print_plan(decided: Any, what: str, name: str, dry_run: bool, as_json: bool) -> None:
+    """A prune's plan (luopan.retention.Plan) for ``what`` ("run", "artifact") ``name``, as JSON or lines."""
+    if as_json:
+        emit_json({what: name, "dry_run": dry_run, "keep": {str(k): v for k, v in decided.keep.items()},
+                   "remove": decided.remove})
+        return
+    for line in decided.describe():
+        out.print(line, highlight=False)
+    if dry_run:
+        out.print("dry run: nothing removed")
+
+
 def ratio(x: float) -> str:
     return "∞" if math.isinf(x) else f"{x:.1f}×"
 

@@ -15,7 +15,20 @@ from ..artifact import Artifact, ArtifactVersion
 from ..errors import UsageError
 from ..format.names import check_artifact, check_version, is_artifact_name, is_run_name, parse_ref_text
 from ..retention import rules_from_flags
-from .app import JsonOpt, RepoOpt, app, emit_json, err, escape, handles_errors, human, open_repo, out, repo_location
+from .app import (
+    JsonOpt,
+    RepoOpt,
+    app,
+    emit_json,
+    err,
+    escape,
+    handles_errors,
+    human,
+    open_repo,
+    out,
+    print_plan,
+    repo_location,
+)
 
 artifact_app = typer.Typer(help="Versioned files and directories (datasets, eval outputs) with lineage.",
                            no_args_is_help=True)
@@ -266,14 +279,7 @@ def prune(
     frees the chunks no other version or checkpoint uses."""
     rules = rules_from_flags(keep_last=keep_last, keep_every=keep_every, keep_tag=keep_tag)
     decided = open_repo(repo_location(repo)).artifact(name).prune(rules, dry_run=dry_run)
-    if as_json:
-        emit_json({"artifact": name, "dry_run": dry_run, "keep": {str(k): v for k, v in decided.keep.items()},
-                   "remove": decided.remove})
-        return
-    for line in decided.describe():
-        out.print(line, highlight=False)
-    if dry_run:
-        out.print("dry run: nothing removed")
+    print_plan(decided, "artifact", name, dry_run, as_json)
 
 
 @app.command()

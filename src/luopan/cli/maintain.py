@@ -23,6 +23,7 @@ from .app import (
     not_found,
     open_repo,
     out,
+    print_plan,
     repo_location,
     report_strays,
 )
@@ -79,8 +80,9 @@ def prune(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     r = open_repo(repo)
+    artifact = is_artifact_target(r, run)
     try:
-        if is_artifact_target(r, run):
+        if artifact:
             decided = r.artifact(run).prune(rules, dry_run=dry_run)
         else:
             decided = r.prune(run, rules, dry_run=dry_run)
@@ -88,14 +90,7 @@ def prune(
         if isinstance(exc, LuopanError):
             raise
         raise typer.BadParameter(str(exc)) from None
-    if as_json:
-        emit_json({"run": run, "dry_run": dry_run, "keep": {str(k): v for k, v in decided.keep.items()},
-                    "remove": decided.remove})
-        return
-    for line in decided.describe():
-        out.print(line, highlight=False)
-    if dry_run:
-        out.print("dry run: nothing removed")
+    print_plan(decided, "artifact" if artifact else "run", run, dry_run, as_json)
 
 
 @app.command()
