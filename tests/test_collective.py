@@ -37,7 +37,9 @@ def test_collective_save_writes_replicated_state_once(tmp_path, child_env, world
     info = json.loads((tmp_path / "info.json").read_text())
     replicated = (256 * 64 + 64) * 4
     per_rank = 8 * 4 * world + 2 * 4 * world  # rng, and "kind" (zero bytes everywhere, but dtypes differ)
-    assert info["new_bytes"] == replicated + per_rank  # once in total, not world times
+    # once in total, not world times; "kind"'s equal zero bytes may also be deduplicated between ranks that finish
+    # at different times (each rank checks the index files already written), so count them at least once
+    assert replicated + 8 * 4 * world + 8 <= info["new_bytes"] <= replicated + per_rank
     packs = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(repo_path / "packs") for f in fs)
     assert packs < 1.05 * (replicated + per_rank) + 4096 * world
     with luopan.open(repo_path) as repo:
