@@ -281,3 +281,45 @@ def ratio_result(rid: str, short: str, peer: str, peer_key: str, lp_key: str, go
 
 def fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def print_tables(title: str, head: list[str], rows: list[list[str]], xhead: list[str], xrows: list[list[str]]) -> None:
+    """The goal table (last column "met"/"MISSED", coloured) and the context table: rich when it is installed."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for table in ([head] + rows, [xhead] + xrows):
+            widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+            for row in table:
+                print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+            print()
+        return
+    console = Console(width=None if sys.stdout.isatty() else 118)
+    t = Table(title=title, title_justify="left")
+    for i, h in enumerate(head):
+        t.add_column(h, justify="right" if 2 <= i <= 4 else "left", no_wrap=i == 0)
+    for row in rows:
+        style = "green" if row[-1] == "met" else "bold red"
+        t.add_row(*row[:-1], f"[{style}]{row[-1]}[/{style}]")
+    console.print(t)
+    t2 = Table(title=xhead[0], title_justify="left")
+    for h in xhead:
+        t2.add_column(h, justify="left" if h == xhead[0] else "right")
+    for row in xrows:
+        t2.add_row(*row)
+    console.print(t2)
+
+
+def print_footer(report: dict[str, Any], legend: str) -> None:
+    """Machine line, what the values mean, missed goals and data problems."""
+    m = report["machine"]
+    print(f"machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB RAM, workdir on "
+          f"{(m.get('workdir_mount') or {}).get('fstype', '?')}; load average at start {m.get('loadavg_start')}, "
+          f"at end {m.get('loadavg_end')} (other work on the machine makes the figures noisier)")
+    print(legend)
+    missed = [r["id"] for r in report["results"] if not r["met"]]
+    print("goals missed: " + (", ".join(missed) if missed else "none"))
+    if report.get("problems"):
+        print("DATA PROBLEMS: " + "; ".join(report["problems"]))

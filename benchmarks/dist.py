@@ -44,6 +44,7 @@ from typing import Any
 
 from artifacts import dir_bytes
 from common import fmt as _fmt
+from common import print_footer, print_tables
 from common import ratio_result as _ratio_result
 from common import (
     MIB,
@@ -571,40 +572,6 @@ def print_report(report: dict[str, Any]) -> None:
     title = (f"luopan dist benchmark: world size {report['config']['world_size']} (gloo), "
              f"{st['bytes'] / MIB:.0f} MiB fp32 state ({st['tensors']} tensors), DCP save, medians of "
              f"{report['config']['reps']} alternating repetitions")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # type: ignore[assignment,misc]
-    if Console is not None:
-        console = Console(width=None if sys.stdout.isatty() else 118)
-        t = Table(title=title, title_justify="left")
-        for i, h in enumerate(head):
-            t.add_column(h, justify="right" if 2 <= i <= 4 else "left", no_wrap=i == 0)
-        for row in rows:
-            style = "green" if row[-1] == "met" else "bold red"
-            t.add_row(*row[:-1], f"[{style}]{row[-1]}[/{style}]")
-        console.print(t)
-        t2 = Table(title="context (not goals)", title_justify="left")
-        for h in ["context", "peer", "luopan", "ratio"]:
-            t2.add_column(h, justify="left" if h == "context" else "right")
-        for row in xrows:
-            t2.add_row(*row)
-        console.print(t2)
-    else:
-        print(title)
-        for table in ([head] + rows, [["context (not goals)", "peer", "luopan", "ratio"]] + xrows):
-            widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-            for row in table:
-                print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-            print()
-    m = report["machine"]
-    print(f"machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB RAM, workdir on "
-          f"{(m.get('workdir_mount') or {}).get('fstype', '?')}; load average at start {m.get('loadavg_start')}, "
-          f"at end {m.get('loadavg_end')} (other work on the machine makes the figures noisier)")
-    print("D1, D2 ratio = FileSystemWriter seconds / luopan.dcp.Writer seconds (> 1: luopan faster); D3 = pack bytes "
-          "/ state bytes (lower is better).")
-    missed = [r["id"] for r in report["results"] if not r["met"]]
-    print("goals missed: " + (", ".join(missed) if missed else "none"))
-    if report.get("problems"):
-        print("DATA PROBLEMS: " + "; ".join(report["problems"]))
+    print_tables(title, head, rows, ["context (not goals)", "peer", "luopan", "ratio"], xrows)
+    print_footer(report, "D1, D2 ratio = FileSystemWriter seconds / luopan.dcp.Writer seconds (> 1: luopan faster); D3 = "
+                 "pack bytes / state bytes (lower is better).")
