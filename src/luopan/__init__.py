@@ -17,6 +17,7 @@ from .repository.tiersetup import ColdPolicy
 from .errors import (
     ArgumentTypeError,
     ArtifactNotFoundError,
+    BaseMismatchError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CollectiveError,
@@ -69,6 +70,7 @@ __all__ = [
     "Artifact",
     "ArtifactNotFoundError",
     "ArtifactVersion",
+    "BaseMismatchError",
     "ArgumentTypeError",
     "CheckpointExistsError",
     "CheckpointInfo",

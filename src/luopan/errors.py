@@ -83,6 +83,10 @@ class LayoutMismatchError(StateMismatchError):
     """A training state is restored under a different world size or parallel layout than it was saved with."""
 
 
+class BaseMismatchError(StateMismatchError):
+    """An adapter (or patch) meets a base model whose content fingerprint is not the one it was made for."""
+
+
 class UnsupportedFormatError(LuopanError, RuntimeError):
     """The repository or a file in it has a newer format_version than this luopan reads."""
 

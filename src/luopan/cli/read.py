@@ -62,10 +62,21 @@ def export(
     output: Annotated[str, typer.Option("--output", "-o", help="safetensors file to write.")] = "model.safetensors",
     subtree: Annotated[Optional[str], typer.Option(help="Export only the tensors under this key path, e.g. model.")]
     = None,
+    adapter: Annotated[bool, typer.Option("--adapter", help="The checkpoint is a PEFT adapter (luopan.peft or "
+                                          "luopan.hf): write a directory PeftModel.from_pretrained loads "
+                                          "(adapter_model.safetensors + adapter_config.json) at --output.")] = False,
 ) -> None:
-    """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file."""
+    """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file; with --adapter, a PEFT
+    adapter directory."""
     repo = repo_location(repo)
     r = open_repo(repo)
+    if adapter:
+        from ..peft import export_adapter  # imports torch: only for adapters
+
+        done = export_adapter(r, run, output, step)
+        out.print(f"wrote adapter of {run} ({done['tensors']} tensors, {human(done['bytes'])}) to {done['path']}; "
+                  f"base fingerprint {done['base_fingerprint']}")
+        return
     m = r.manifest(run, step)
     with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as bar:
