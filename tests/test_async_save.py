@@ -76,11 +76,23 @@ def test_background_error_is_raised_by_wait():
 
 def test_unobserved_background_error_surfaces_on_the_next_call():
     store, repo = failing_repo()
-    repo.save_async("r", 1, state())
+    handle = repo.save_async("r", 1, state())
+    while not handle.done():  # finished, but nobody has looked at it
+        time.sleep(0.01)
     with pytest.raises(OSError, match="injected"):
         repo.save_async("r", 2, state())  # nobody waited for step 1: its error comes out here
     store.prefix = None
     repo.save_async("r", 2, state()).wait()
+    assert repo.steps("r") == [2]
+
+
+def test_without_overlap_the_next_call_waits_and_raises():
+    store, repo = failing_repo()
+    repo.save_async("r", 1, state())
+    with pytest.raises(OSError, match="injected"):
+        repo.save_async("r", 2, state(), overlap=False)  # waits for step 1 first, like a synchronous save
+    store.prefix = None
+    repo.save_async("r", 2, state(), overlap=False).wait()
     assert repo.steps("r") == [2]
 
 
@@ -91,15 +103,20 @@ def test_unobserved_background_error_surfaces_on_close():
         repo.close()
 
 
+def staged(repo):
+    """The host buffer set the newest save_async copied into."""
+    return repo._staging.sets[repo._staging.last]
+
+
 def test_buffers_are_reused_across_saves(repo):
     s = state()
     repo.save_async("r", 1, s).wait()
-    bufs = dict(repo._buffers._bufs)
+    bufs = dict(staged(repo)._bufs)
     repo.save_async("r", 2, s).wait()
-    assert all(repo._buffers._bufs[k] is v for k, v in bufs.items())
+    assert all(staged(repo)._bufs[k] is v for k, v in bufs.items())
     del s["model"]["w7"]
     repo.save_async("r", 3, s).wait()
-    assert len(repo._buffers._bufs) == len(bufs) - 1  # buffers of vanished entries are released
+    assert len(staged(repo)._bufs) == len(bufs) - 1  # buffers of vanished entries are released
 
 
 CHILD = '''
@@ -182,7 +199,7 @@ def test_trusted_unchanged_tensors_are_not_copied(repo):
     repo.save_async("r", 0, s, trust_versions=True).wait()
     adapter.add_(1.0)
     handle = repo.save_async("r", 1, s, trust_versions=True)
-    copied = {path for path, _size in repo._buffers._bufs}
+    copied = {path for path, _size in staged(repo)._bufs}
     assert copied == {"adapter"}  # the frozen base is neither copied nor read: its previous chunks are reused
     adapter.add_(1.0)  # mutate after the call: the checkpoint keeps the value at the call
     handle.wait()
@@ -218,7 +235,7 @@ def test_trusted_tensor_whose_chunks_are_gone_is_copied_and_never_read_late():
     repo.save("r", 0, {"w": w}, trust_versions=True)
     _drop_packs(store)  # its previous chunks are gone before the call: save_async must copy it
     handle = repo.save_async("r", 1, {"w": w}, trust_versions=True)
-    assert {path for path, _size in repo._buffers._bufs} == {"w"}
+    assert {path for path, _size in staged(repo)._bufs} == {"w"}
     w.add_(1.0)  # the next optimizer step, right after the call
     handle.wait()
     assert torch.equal(repo.load("r", 1)["w"], at_call)
@@ -226,7 +243,7 @@ def test_trusted_tensor_whose_chunks_are_gone_is_copied_and_never_read_late():
     repo.save("r", 2, {"w": w}, trust_versions=True)
     store.gate.clear()  # now the chunks vanish after the call (e.g. deleted by another process): fail, never
     handle = repo.save_async("r", 3, {"w": w}, trust_versions=True)  # read the live tensor late
-    assert {path for path, _size in repo._buffers._bufs} == set()  # w was vouched for, not copied
+    assert {path for path, _size in staged(repo)._bufs} == set()  # w was vouched for, not copied
     _drop_packs(store)
     store.gate.set()
     with pytest.raises(luopan.LuopanError, match="disappeared before the save could reference them"):

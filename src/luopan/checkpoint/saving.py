@@ -9,7 +9,7 @@ import sys
 import threading
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import xxhash
@@ -31,13 +31,13 @@ from ..repository.locks import locked
 from ..repository.packwriter import PackChecker
 from ..repository.preflight import fits, refuse
 from ..tree import flatten
-from .buffers import HostBuffers
 from .info import CheckpointInfo, SaveHandle
 from .kind import CHECKPOINTS
 from .request import SaveRequest, check_json, entries_by_path, same_version, tensor_versions, touched_hints
 from .rowdelta import DeltaPolicy, RowTrack
 from .runrecord import Run
 from .save import WriteContext, write_checkpoint
+from .staging import Staging
 
 
 class Saving(RepositoryCore):
@@ -51,15 +51,19 @@ class Saving(RepositoryCore):
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         # key path -> (hash, size, xxh3) per chunk this process last stored there in parts (store_entries)
         self._parts_rows: dict[str, list[tuple[str, int, str]]] = {}
-        self._buffers = HostBuffers()
+        self._staging = Staging()  # host buffer sets and the save_asyncs in flight (luopan.checkpoint.staging)
         self._worker: ThreadPoolExecutor | None = None
-        self._inflight: SaveHandle | None = None
+
+    @property
+    def _inflight(self) -> SaveHandle | None:
+        """The newest save_async in flight: one worker commits them in order, so once it is done all are."""
+        return self._staging.newest()
 
     def _release(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        self._buffers.clear()
+        self._staging.release()
         self._versions.clear()
         self._tracks.clear()
         self._parts_rows.clear()
@@ -137,46 +141,51 @@ class Saving(RepositoryCore):
         trust_versions: bool = False,
         touched_rows: dict[str, Any] | None = None,
         inputs: list[str] | None = None,
+        overlap: bool = True,
     ) -> SaveHandle:
-        """Like ``save``, but returns as soon as the state is copied into reusable host buffers; hashing, packing
-        and writing happen on a background thread. The caller may change the state right after this returns.
+        """Like ``save``, but returns as soon as the state is copied into reusable host buffers (CUDA tensors:
+        pinned buffers, asynchronous copies on a side stream); hashing, packing and writing happen on a background
+        thread. The caller may change the state right after this returns.
 
-        One save is in flight at a time: this call first waits for the previous one. ``handle.wait()`` returns
-        the CheckpointInfo or raises the save's error; an error nobody waited for is raised by the next
-        ``save``/``save_async``/``close`` instead, never dropped. Bad input is still raised here, synchronously.
-        A process killed mid-persist leaves no visible checkpoint (the manifest is written last).
+        ``overlap=True`` (default): the copy may run while the previous save is still writing, into a second buffer
+        set; saves still commit one at a time, in call order. At most two are in flight: a third call waits for the
+        first to finish. This costs up to twice the state in host memory, the second set allocated only once a call
+        finds the previous save still writing; ``overlap=False`` waits for the saves in flight first and keeps one
+        set. A trust_versions call that could skip a tensor also waits for them (it reuses committed chunks).
+        ``handle.wait()`` returns the CheckpointInfo or raises the save's error; an error nobody waited for is raised
+        by the next ``save``/``save_async``/``close`` instead, never dropped. Bad input is still raised here,
+        synchronously. A process killed mid-persist leaves no visible checkpoint (the manifest is written last).
         """
-        self.drain()
+        staging = self._staging
+        target = staging.acquire(overlap)  # raises a finished save's unseen error; waits while both sets are read
         plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions, touched_rows, inputs)
         # The only stall: one copy into reused host memory of everything tier 1 (trust_versions) cannot reuse for
         # certain. Reusability is decided now, while the caller waits: the background save never reads live state.
-        if plan.unchanged:
+        if plan.unchanged:  # never while a save is in flight (_prepare): it decides against committed saves only
             checker = PackChecker(self.store, self._intact_packs)
             known = self.chunk_index()
             previous = self._previous_rows(run)
             plan.unchanged = frozenset(i for i in plan.unchanged
                                        if checker.entry_reusable(previous.get(plan.leaves[i].path), known))
-        plan.leaves = self._buffers.freeze(plan.leaves, plan.unchanged)
+        plan.leaves = staging.sets[target].freeze(plan.leaves, plan.unchanged)
         plan.snapshot = True
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "luopan-save")
             drain_at_exit(self)
-        handle = SaveHandle(self._worker.submit(self._commit, plan), plan.run, plan.step)
-        self._inflight = handle
+        future = self._worker.submit(self._commit_async, plan, staging.prior(plan.run))
+        handle = SaveHandle(future, plan.run, plan.step)
+        staging.submitted(handle, target, plan.versions, _logical(plan))
         return handle
 
+    def _commit_async(self, plan: SaveRequest, prior: Future[CheckpointInfo] | None) -> CheckpointInfo:
+        """The background half of save_async, on the one worker: ``prior`` (the run's save before it) is done."""
+        if plan.hints and prior is not None and (not prior.done() or prior.exception() is not None):
+            plan.hints = {}  # they name rows touched since a save that did not commit: detect changes instead
+        return self._commit(plan)
+
     def drain(self) -> None:
-        """Wait for the save in flight; raise its error if no caller has observed it."""
-        handle = self._inflight
-        if handle is None:
-            return
-        exc = handle._future.exception()  # wait first: if this is interrupted the save stays in flight
-        self._inflight = None
-        if exc is not None and not handle._observed:
-            handle._observed = True
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised by the background save_async of run {handle.run!r} step {handle.step})")
-            raise exc
+        """Wait for the saves in flight; raise an error no caller has observed (naming any other)."""
+        self._staging.drain()
 
     def _prepare(self, run: str, step: int, state: Any, metrics: dict[str, Any] | None,
                  metadata: dict[str, Any] | None, overwrite: bool, trust_versions: bool = False,
@@ -184,6 +193,9 @@ class Saving(RepositoryCore):
         """Check everything about a save before any byte is written; snapshot metrics and metadata."""
         check_run(run)
         step = check_step(step)
+        staging = self._staging  # busy only for save_async: save drains first
+        if staging.holds(run, step) or (inputs and staging.busy()):
+            self.drain()  # a save of this step in flight decides whether it exists; inputs may name one in flight
         if not overwrite and self.store.exists(manifest_key(run, step)):
             raise CheckpointExistsError(
                 f"run {run!r} already has a checkpoint at step {step}; pass overwrite=True to replace it"
@@ -199,7 +211,9 @@ class Saving(RepositoryCore):
         check_json("state", skeleton, dict)
         metadata_copy = json.loads(canonical(metadata)) if metadata else None
         versions = tensor_versions(leaves) if trust_versions else {}
-        seen = self._versions.get(run, {})
+        if versions and staging.busy() and staging.could_reuse(run, versions, self._versions.get(run, {})):
+            self.drain()  # reuse needs the previous save's records, rows and chunks committed (see .staging)
+        seen = {} if staging.busy() else self._versions.get(run, {})  # in flight: reuse nothing, copy everything
         unchanged = frozenset(i for i, (path, rec) in versions.items()
                               if path in seen and same_version(seen[path], rec))
         plan = SaveRequest(run, step, skeleton, leaves, encoded_metrics, metadata_copy, overwrite,
@@ -217,10 +231,13 @@ class Saving(RepositoryCore):
         run's previous checkpoint (this process's last save, else the newest on disk), and only chunks that differ
         count. A save that writes more than estimated still fails cleanly when the disk fills.
         """
-        logical = sum(leaf.nbytes for i, leaf in enumerate(plan.leaves)
-                      if leaf.alias_of is None and i not in plan.unchanged)
-        if fits(self, self.space_margin, logical):
+        logical = _logical(plan)
+        if fits(self, self.space_margin, logical + self._staging.pending_bytes()):  # + what saves in flight write
             return
+        if self._staging.busy():
+            self.drain()  # refine or refuse against committed saves only
+            if fits(self, self.space_margin, logical):
+                return
         refuse(self, self.space_margin, self._changed_bytes(plan), f"save run {plan.run!r} step {plan.step}")
 
     def _changed_bytes(self, plan: SaveRequest) -> int:
@@ -285,8 +302,13 @@ class Saving(RepositoryCore):
         return self._previous.get(run, {})
 
 
+def _logical(plan: SaveRequest) -> int:
+    """Bytes of the state a save may write: tied tensors once, tensors known unchanged (trust_versions) not."""
+    return sum(leaf.nbytes for i, leaf in enumerate(plan.leaves) if leaf.alias_of is None and i not in plan.unchanged)
+
+
 def drain_at_exit(repo: Saving) -> None:
-    """Finish a save_async in flight when the interpreter exits without close().
+    """Finish the save_asyncs in flight when the interpreter exits without close().
 
     Registered with threading's exit hooks, which run (newest first) before concurrent.futures refuses new work at
     shutdown; a plain atexit hook would run too late and the background commit would fail unseen. An error is
@@ -296,7 +318,7 @@ def drain_at_exit(repo: Saving) -> None:
 
     def drain() -> None:
         r = ref()
-        if r is None or r._inflight is None:
+        if r is None or not r._staging.busy():
             return
         try:
             r.drain()

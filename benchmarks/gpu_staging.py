@@ -1,0 +1,125 @@
+"""save_async of CUDA state: how long the caller stalls (device→pinned host copy) vs how long the save takes.
+
+    .venv/bin/python benchmarks/gpu_staging.py                    # 1 GiB of fp32 CUDA tensors, 5 saves
+    .venv/bin/python benchmarks/gpu_staging.py --size-mib 4096 --saves 3 --workdir /mnt/scratch
+
+Three figures, medians over ``--saves`` saves after one untimed save that allocates (pins) the buffers; every tensor
+changes before each save (in place, on the current stream, synchronised before the clock starts):
+
+* ``waited``: save_async, then handle.wait() — stall = time save_async blocks, total = until the save committed.
+* ``back-to-back``: save_async called again as soon as the previous call returned (overlap=True, the default): the
+  copy of one save runs while the previous one writes; stall per call, total = all saves / count.
+* ``back-to-back, overlap=False``: the same, each call first waiting for the previous save (the old behaviour).
+
+Needs a CUDA device; without one it says so and exits with status 2 (it cannot run). Scratch space: about 2x the
+state per repository (a fresh one per scenario, removed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import luopan
+except ImportError:  # running from a checkout without an installed luopan
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+    import luopan
+
+
+def build_state(torch, size_mib: int) -> dict:
+    """fp32 CUDA tensors totalling size_mib MiB: 64 MiB matrices and one remainder."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state, left, i = {}, size_mib << 20, 0
+    while left > 0:
+        n = min(left, 64 << 20) // 4
+        state[f"layers.{i}.weight"] = torch.randn(n, device="cuda", generator=g).view(-1, 1024) \
+            if n % 1024 == 0 else torch.randn(n, device="cuda", generator=g)
+        left -= n * 4
+        i += 1
+    return state
+
+
+def touch(torch, state: dict) -> None:
+    with torch.no_grad():
+        for v in state.values():
+            v.add_(1e-3)
+    torch.cuda.synchronize()
+
+
+def waited(torch, repo, state, saves: int) -> tuple[list[float], list[float]]:
+    stalls, totals = [], []
+    for step in range(1, saves + 1):
+        touch(torch, state)
+        t0 = time.perf_counter()
+        handle = repo.save_async("bench", step, state)
+        stalls.append(time.perf_counter() - t0)
+        handle.wait()
+        totals.append(time.perf_counter() - t0)
+    return stalls, totals
+
+
+def back_to_back(torch, repo, state, saves: int, overlap: bool) -> tuple[list[float], list[float]]:
+    stalls = []
+    t0 = time.perf_counter()
+    for step in range(1, saves + 1):
+        touch(torch, state)  # a training step's worth of GPU work, synchronised: not part of the stall
+        t = time.perf_counter()
+        repo.save_async("bench", step, state, overlap=overlap)
+        stalls.append(time.perf_counter() - t)
+    repo.drain()
+    return stalls, [(time.perf_counter() - t0) / saves]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--workdir", default=None, help="parent of the scratch directory (default: the system temp dir)")
+    args = p.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("gpu_staging: needs torch with CUDA; torch is not installed", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"gpu_staging: needs a CUDA device; torch {torch.__version__} sees none "
+              "(torch.cuda.is_available() is False). Nothing measured.", file=sys.stderr)
+        return 2
+    state = build_state(torch, args.size_mib)
+    size = sum(v.nbytes for v in state.values())
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | luopan {luopan.__version__} | "
+          f"state {size / 2**20:.0f} MiB in {len(state)} CUDA tensors | {args.saves} saves")
+    root = tempfile.mkdtemp(prefix="luopan-gpu-staging-", dir=args.workdir)
+    rows = []
+    try:
+        for name, run in (("waited", lambda r: waited(torch, r, state, args.saves)),
+                          ("back-to-back", lambda r: back_to_back(torch, r, state, args.saves, True)),
+                          ("back-to-back, overlap=False", lambda r: back_to_back(torch, r, state, args.saves, False))):
+            path = os.path.join(root, name.replace(" ", "").replace(",", "-").replace("=", ""))
+            repo = luopan.open(path)
+            repo.save_async("bench", 0, state).wait()  # untimed: allocates and pins the buffers
+            pinned = all(p.is_pinned() for s in repo._staging.sets for p in s.pinned()) and any(
+                s.pinned() for s in repo._staging.sets)
+            stalls, totals = run(repo)
+            repo.close()
+            shutil.rmtree(path, ignore_errors=True)
+            stall, total = statistics.median(stalls), statistics.median(totals)
+            rows.append((name, stall, total, pinned))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{'scenario':30} {'stall s':>9} {'per save s':>11} {'stall/save':>11} {'copy GB/s':>10} pinned")
+    for name, stall, total, pinned in rows:
+        print(f"{name:30} {stall:9.4f} {total:11.4f} {stall / total:11.3f} {size / stall / 1e9:10.1f} "
+              f"{'yes' if pinned else 'no'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
