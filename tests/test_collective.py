@@ -12,10 +12,13 @@ import time
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import luopan
+from luopan.cli.main import app
+from luopan.format.canonical import seal
 
-from .collective_worker import state
+from .collective_worker import full_sharded, state
 from .conftest import PYTHON
 
 WORKER = os.path.join(os.path.dirname(__file__), "collective_worker.py")
@@ -26,7 +29,7 @@ def spawn(child_env, op, repo, world, step, timeout=240):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     return subprocess.run([PYTHON, WORKER, op, str(repo), str(world), port, str(step)], env=child_env,
-                          capture_output=True, timeout=timeout)
+                          capture_output=True, timeout=timeout, check=False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -84,3 +87,100 @@ def test_group_needs_torch_distributed(repo):
 
         repo.save("r", 1, {"x": torch.ones(2)}, group=True, trust_versions=True)
     assert repo.steps("r") == []
+
+
+# -- sharded entries (issue 12, part 3): luopan.Shard, DTensor ------------------------------------------------------
+def reseal_manifest(repo_path, run, step, edit):
+    path = repo_path / "runs" / run / "ckpt" / f"{step:08d}.json"
+    doc = json.loads(path.read_bytes())
+    doc.pop("checksum")
+    edit(doc)
+    path.write_bytes(seal(doc))
+
+
+def test_sharded_collective_save_is_stored_once_and_loads_whole_or_per_rank(tmp_path, child_env):
+    repo_path = tmp_path / "repo"
+    proc = spawn(child_env, "save-shards", repo_path, 2, 1)  # also: disagreeing shards are refused on every rank
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    full = full_sharded(1, 2)
+    global_bytes = sum(v.nbytes for v in full.values() if isinstance(v, torch.Tensor))
+    rng = 2 * 4 * 4
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["logical"] == global_bytes + rng  # every shard once: tied, replicated and DTensor-replicated too
+    assert global_bytes <= info["new_bytes"] <= global_bytes + rng
+    packs = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(repo_path / "packs") for f in fs)
+    assert packs < 1.05 * (global_bytes + rng) + 8192
+    with luopan.open(repo_path) as repo:
+        assert repo.steps("run") == [1]  # the refused saves left nothing
+        whole = repo.load("run", 1)  # one process: sharded tensors assembled, bit-exact
+        for k in ("emb", "col", "bias", "dt", "dt_rep", "tiny", "st"):
+            assert type(whole[k]) is torch.Tensor and torch.equal(whole[k], full[k]), k
+        assert whole["tied"] is whole["emb"] and whole["step"] == 1
+        assert sorted(whole["rng"]) == ["rank-0", "rank-1"] and whole["rng"]["rank-1"][0] == 11
+        ranks = repo.manifest("run", 1).doc["ranks"]
+        assert ranks["world"] == 2 and ranks["per_rank"] == ["rng"]
+        assert sorted(ranks["sharded"]) == ["col", "dt", "dt_rep", "emb", "st", "tiny"]
+        emb = ranks["sharded"]["emb"]
+        assert emb["size"] == [259, 64]
+        assert [c[:2] for c in emb["chunks"]] == [[[0, 0], [130, 64]], [[130, 0], [129, 64]]]
+        assert [c[3] for c in ranks["sharded"]["dt_rep"]["chunks"]] == [[0, 1]]  # one chunk, held by both
+        paths = {e["path"] for e in repo.manifest("run", 1).entries}
+        assert {"emb/shard-0_0", "emb/shard-130_0", "col/shard-0_8", "dt_rep/shard-0", "tiny/shard-1_0"} <= paths
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in full.items()}
+        target["tied"] = target["emb"]
+        target["rng"] = {"rank-0": torch.zeros(4), "rank-1": torch.zeros(4)}
+        repo.load_into("run", target, 1)  # into whole tensors: assembled in place
+        assert all(torch.equal(target[k], full[k]) for k in ("emb", "col", "dt", "dt_rep", "bias", "tiny", "st"))
+        with pytest.raises(luopan.StateMismatchError, match=r"'emb': checkpoint has torch float32\(259, 64\)"):
+            repo.load_into("run", {**target, "emb": torch.zeros(130, 64)}, 1)
+        repo.verify()
+        out = repo.export("run", tmp_path / "x.safetensors")
+        assert out["tensors"] == len(paths)
+    verified = CliRunner().invoke(app, ["-r", str(repo_path), "verify"], catch_exceptions=False)
+    assert verified.exit_code == 0, verified.output
+    proc = spawn(child_env, "load-shards", repo_path, 2, 1)  # each rank: its own shards, reading only their chunks
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    proc = spawn(child_env, "load-shards-world", repo_path, 1, 1)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    check_damaged_layouts(repo_path)
+
+
+def check_damaged_layouts(repo_path):
+    """A damaged shard layout in a (sealed) manifest is a CorruptManifestError, never an IndexError or garbage."""
+    path = repo_path / "runs" / "run" / "ckpt" / f"{1:08d}.json"
+    good = path.read_bytes()
+
+    def chunk(k):
+        return lambda d: d["ranks"]["sharded"]["emb"]["chunks"][k]
+
+    edits = {
+        "outside": lambda d: chunk(1)(d)[0].__setitem__(0, 200),
+        "not its entry's shape": lambda d: chunk(0)(d)[1].__setitem__(0, 129),
+        "overlap|hold": lambda d: chunk(1)(d)[0].__setitem__(0, 0),
+        "name each of the 2 ranks": lambda d: chunk(1)(d)[3].__setitem__(0, 0),
+        "an entry of": lambda d: chunk(0)(d).__setitem__(2, 10**6),
+        "is not \\[offsets": lambda d: chunk(0)(d).pop(),
+        "size of": lambda d: d["ranks"]["sharded"]["emb"].__setitem__("size", [259, "64"]),
+        "world": lambda d: d["ranks"].__setitem__("world", 0),
+    }
+    with luopan.open(repo_path) as repo:
+        for message, edit in edits.items():
+            reseal_manifest(repo_path, "run", 1, edit)
+            for read in (lambda: repo.load("run", 1), lambda: repo.load_into("run", {}, 1, strict=False)):
+                with pytest.raises(luopan.CorruptManifestError, match=f"ranks member is damaged.*({message})"):
+                    read()
+            path.write_bytes(good)
+        assert torch.equal(repo.load("run", 1)["emb"], full_sharded(1, 2)["emb"])
+
+
+def test_shard_declarations_are_checked_and_only_collective_saves_take_them(repo):
+    with pytest.raises(luopan.UsageError, match="does not fit in the global shape"):
+        luopan.Shard(torch.zeros(2, 3), (4, 3), (3, 0))
+    with pytest.raises(luopan.UsageError, match="one of each per dimension"):
+        luopan.Shard(torch.zeros(2), (4, 3), (0, 0))
+    with pytest.raises(luopan.ArgumentTypeError, match="torch tensor or NumPy array"):
+        luopan.Shard([1, 2], (4,), (0,))
+    with pytest.raises(luopan.ArgumentTypeError, match="must hold ints"):
+        luopan.Shard(torch.zeros(2), (4.0,), (0,))
+    with pytest.raises(luopan.UnsupportedValueError, match="Shard"):
+        repo.save("r", 1, {"w": luopan.Shard(torch.zeros(2), (4,), (2,))})

@@ -162,7 +162,23 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
             return lambda d: check_tier_record(d, {"run": str, "step": int, "moved": str, "cold": str})
     if heading.startswith("### 10.3"):
         return lambda d: parse_condemned(sealed(d))
+    if heading.startswith("### 10.5"):
+        return check_ranks_member
     return None
+
+
+def check_ranks_member(doc: dict[str, Any]) -> None:
+    """A manifest's ``ranks`` member, checked by the reader against entries shaped as its chunks say."""
+    import types
+
+    from luopan.checkpoint.ranks import parse_ranks
+
+    entries = [{"path": f"e{i}", "kind": "torch", "dtype": "float32", "shape": [1]} for i in range(10)]
+    for rec in doc["sharded"].values():
+        for _offsets, sizes, entry, _ranks in rec["chunks"]:
+            entries[entry]["shape"] = sizes
+    got = parse_ranks(types.SimpleNamespace(doc={"ranks": doc}, entries=entries, run="run-a", step=100))
+    assert got.world == doc["world"]
 
 
 SAMPLES = samples()
@@ -171,7 +187,7 @@ SAMPLES = samples()
 def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
     for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2",
-                    "### 10.2", "### 10.3"):
+                    "### 10.2", "### 10.3", "### 10.5"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval
     assert sum(h.startswith("### 10.2") for h in headings) == 4  # tier config, pending, replicated, cold

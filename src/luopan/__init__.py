@@ -13,6 +13,7 @@ from .repo import Repo, init, open
 from .repository.lineage import Lineage
 from .checkpoint.rowdelta import DeltaPolicy
 from .checkpoint.runrecord import Run
+from .checkpoint.shards import Shard
 from .repository.tiersetup import ColdPolicy
 from .errors import (
     ArgumentTypeError,
@@ -105,6 +106,7 @@ __all__ = [
     "RepoNotFoundError",
     "Run",
     "SaveHandle",
+    "Shard",
     "StateMismatchError",
     "StorageError",
     "StorageFullError",

@@ -5,6 +5,8 @@ by every rank of the group, is one checkpoint.
 2. A tensor equal on every rank (DDP) is written once in total: by one rank, chosen to spread the bytes evenly. A
    tensor that differs between ranks (each rank's RNG state) is written by every rank and kept per rank: its node in
    the tree becomes ``{"rank-0": …, "rank-1": …}`` and the manifest's ``ranks`` member names it.
+   A sharded value (``luopan.Shard``, a ``DTensor``, a ``ShardedTensor``) is stored as shards, each distinct one
+   once, with its global layout in ``ranks`` (modules luopan.checkpoint.shards and .ranks).
 3. Each rank stores its chunks (packs, then an index file, durable); rank 0 commits one manifest once every rank
    reported success, then tells every rank the outcome. A rank that raised makes every rank raise (naming it); a
    rank that died makes the others' collectives fail at the group's timeout — never a hang, never a checkpoint.
@@ -20,11 +22,13 @@ from .. import typed
 from ..errors import CollectiveError, UsageError
 from ..format.canonical import canonical
 from ..format.names import check_run, check_step, join_path, manifest_key
-from ..tree import flatten, unflatten
+from ..tree import flatten
+from . import collectiveload
+from .collectiveload import RANK_PREFIX
 from .info import CheckpointInfo
 from .parts import WRITTEN, Parts
-
-RANK_PREFIX = "rank-"
+from .ranks import ranks_member
+from .shards import Placed, local_part, place_shards, unwrap
 
 
 def _dist() -> Any:
@@ -48,25 +52,32 @@ class Collective(Parts):
         return _save_collective(self, run, step, state, _group(group), **options)
 
     def load(self, run: str, step: int | None = None, *, group: Any = None) -> Any:
-        """``Repo.load``; with ``group``, each rank gets its own value of per-rank entries (``{"rank-0": …}`` nodes
-        of a collective checkpoint) and reads only those of its rank; without it, all of them."""
+        """``Repo.load``; with ``group``, each rank gets its own values of a collective checkpoint — per-rank entries
+        (``{"rank-0": …}`` nodes) and shards (its local tensor) — and reads only those; without it, all of them:
+        per-rank values by rank, sharded tensors assembled whole."""
         if group is None or group is False:
-            return super().load(run, step)
-        dist = _dist()
+            m = self.manifest(run, step)
+            return collectiveload.load(self, m) if "ranks" in m.doc else self._load_manifest(m)
         g = _group(group)
-        rank = dist.get_rank(g)
-        if step is None:  # rank 0 resolves "latest" for all: a commit between two ranks' reads cannot mix steps
-            chosen = [self.steps(run)[-1] if rank == 0 and self.steps(run) else None]
-            dist.broadcast_object_list(chosen, src=dist.get_global_rank(g, 0), group=g)
-            step = chosen[0]
-        m = self.manifest(run, step)
-        ranks = m.doc.get("ranks", {})
-        per_rank = set(ranks.get("per_rank", []))
-        if per_rank and rank >= int(ranks.get("world", 0)):
-            raise UsageError(f"run {run!r} step {m.step} was saved by {ranks.get('world')} ranks and keeps per-rank "
-                             f"values; rank {rank} has none: load it with at most that many ranks, or without group")
-        tree = _own_rank(m.tree, "", per_rank, rank)
-        return unflatten(tree, lambda i: self.load_entry(m, i), f"run {run!r} step {m.step}")
+        dist = _dist()
+        m = self.manifest(run, _agreed_step(self, run, step, g))
+        return collectiveload.load(self, m, dist.get_rank(g), dist.get_world_size(g))
+
+    def load_into(self, run: str, target: Any, step: int | None = None, *, strict: bool = True,
+                  group: Any = None) -> Any:
+        """``Repo.load_into``; for a collective checkpoint a target tensor at a sharded path is filled whole
+        (assembled) or, with ``group``, with this rank's shard (a plain local tensor, a ``luopan.Shard`` or a
+        ``DTensor`` holding the same shard as was saved); per-rank values as ``load`` gives them."""
+        if group is None or group is False:
+            m = self.manifest(run, step)
+            if "ranks" not in m.doc:
+                return self._load_manifest_into(m, target, strict=strict)
+            return collectiveload.load_into(self, m, target, strict=strict)
+        g = _group(group)
+        dist = _dist()
+        m = self.manifest(run, _agreed_step(self, run, step, g))
+        return collectiveload.load_into(self, m, target, strict=strict, rank=dist.get_rank(g),
+                                        world=dist.get_world_size(g))
 
 
 def _group(group: Any) -> Any:
@@ -76,20 +87,15 @@ def _group(group: Any) -> Any:
     return dist.group.WORLD if group is True else group
 
 
-def _own_rank(node: dict[str, Any], path: str, per_rank: set[str], rank: int) -> dict[str, Any]:
-    (tag, value), = node.items()
-    if path in per_rank and tag == "dict":
-        return dict(value)[f"{RANK_PREFIX}{rank}"]
-    if tag == "dict":
-        return {"dict": [[k, _own_rank(v, join_path(path, k), per_rank, rank)] for k, v in value]}
-    if tag in ("list", "tuple"):
-        return {tag: [_own_rank(v, join_path(path, i), per_rank, rank) for i, v in enumerate(value)]}
-    if tag == "typed":  # a dataclass or namedtuple keeps its fields' key paths (module luopan.typed)
-        spec = dict(value)
-        if spec.get("type") in typed.PLAIN and isinstance(spec.get("v"), dict):
-            spec["v"] = _own_rank(spec["v"], path, per_rank, rank)
-        return {"typed": spec}
-    return node
+def _agreed_step(repo: Collective, run: str, step: int | None, g: Any) -> int | None:
+    """``step``, or for "latest" the one rank 0 resolved: a commit between two ranks' reads cannot mix steps."""
+    if step is not None:
+        return step
+    dist = _dist()
+    steps = repo.steps(run) if dist.get_rank(g) == 0 else []
+    chosen = [steps[-1] if steps else None]
+    dist.broadcast_object_list(chosen, src=dist.get_global_rank(g, 0), group=g)
+    return chosen[0]
 
 
 def _agree(dist: Any, group: Any, ok: bool, what: Any, committing: bool = False) -> list[Any]:
@@ -120,9 +126,15 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
         repo.drain()  # inside: an error of this rank's save_async reaches every rank, not only this one
         check_run(run)
         step = check_step(step)
+        state, declared = unwrap(state)  # sharded values -> their local tensors, and where those lie
         skeleton, leaves = flatten(state)
+        hidden = [lf.path for lf in leaves if local_part(lf.obj) is not None]
+        if hidden:
+            raise UsageError(f"a sharded value inside a dataclass, namedtuple or set ({hidden[0]!r}): keep DTensors "
+                             "and shards in dicts, lists and tuples")
         mine = [(lf.path, lf.kind, lf.dtype, list(lf.shape), lf.nbytes, xxhash.xxh3_128_hexdigest(lf.host_bytes())
-                 if lf.alias_of is None else f"alias:{lf.alias_of}") for lf in leaves]
+                 if lf.alias_of is None else f"alias:{lf.alias_of}", _layout(declared.get(id(lf.obj))))
+                for lf in leaves]
         shape = canonical(skeleton).decode()
         report: Any = (mine, shape)
         ok, detail = True, report
@@ -136,8 +148,15 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
     load = [0] * world
     owner: dict[str, int] = {}
     per_rank: list[str] = []
+    sharded: dict[str, list[Placed]] = {}
     for i, row in enumerate(everyone[0][0]):
-        path, digests = row[0], {(m[i][1], m[i][2], tuple(m[i][3]), m[i][5]) for m, _s in everyone}
+        rows = [m[i] for m, _s in everyone]
+        if any(r[6] is not None for r in rows):  # a sharded tensor: each distinct shard once
+            placed = place_shards(row[0], rows, load)
+            if placed is not None:
+                sharded[row[0]] = placed
+            continue
+        path, digests = row[0], {(r[1], r[2], tuple(r[3]), r[5]) for r in rows}
         if len(digests) == 1:
             r = min(range(world), key=lambda k: (load[k], k))
             owner[path] = r
@@ -148,6 +167,8 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
         own = [(lf.path, lf.obj) for lf in leaves if lf.alias_of is None and owner.get(lf.path) == rank]
         own += [(join_path(lf.path, f"{RANK_PREFIX}{rank}"), lf.obj) for lf in leaves
                 if lf.alias_of is None and lf.path in per_rank]
+        own += [(join_path(lf.path, p.name), lf.obj) for lf in leaves if lf.alias_of is None
+                for p in sharded.get(lf.path, ()) if p.owner == rank]
         stored = repo.store_entries(own) if own else None
         ok, detail = True, (stored.entries if stored else [], stored.written if stored else {})
     except Exception as exc:  # noqa: BLE001
@@ -163,10 +184,15 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                 for e in rank_entries:
                     index[e["path"]] = len(entries)
                     entries.append(e)
-            tree = _tree(skeleton, leaves, index, set(per_rank), world)
+            tree = _tree(skeleton, leaves, index, set(per_rank), world, sharded)
+            rows = {row[0]: row for row in everyone[0][0]}
+            member = ranks_member(world, per_rank, {
+                path: (rows[path][2], rows[path][6][0],
+                       [(p.offsets, p.sizes, index[join_path(path, p.name)], p.ranks) for p in placed])
+                for path, placed in sharded.items()})
             info = repo.commit_entries(run, step, entries, tree, metrics=metrics, metadata=metadata,
                                        overwrite=overwrite, written=written, inputs=inputs,
-                                       extra={"ranks": {"world": world, "per_rank": per_rank}} if per_rank else None)
+                                       extra={"ranks": member} if member else None)
         ok, detail = True, None
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, f"{type(exc).__name__}: {exc}"
@@ -175,9 +201,14 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                                                                       manifest_key(run, step))
 
 
+def _layout(layout: Any) -> list[list[int]] | None:
+    return None if layout is None else [list(layout[0]), list(layout[1])]
+
+
 def _tree(skeleton: dict[str, Any], leaves: list[Any], index: dict[str, int], per_rank: set[str],
-          world: int) -> dict[str, Any]:
-    """Rank 0's skeleton with entry nodes pointing at the committed entries (per-rank ones as rank dicts)."""
+          world: int, sharded: dict[str, list[Placed]]) -> dict[str, Any]:
+    """Rank 0's skeleton with entry nodes pointing at the committed entries (per-rank ones as rank dicts, sharded ones
+    as dicts of their shards)."""
     def node(n: dict[str, Any]) -> dict[str, Any]:
         (tag, value), = n.items()
         if tag == "entry":
@@ -187,6 +218,8 @@ def _tree(skeleton: dict[str, Any], leaves: list[Any], index: dict[str, int], pe
             if leaf.path in per_rank:
                 return {"dict": [[f"{RANK_PREFIX}{r}", {"entry": index[join_path(leaf.path, f"{RANK_PREFIX}{r}")]}]
                                  for r in range(world)]}
+            if leaf.path in sharded:
+                return {"dict": [[p.name, {"entry": index[join_path(leaf.path, p.name)]}] for p in sharded[leaf.path]]}
             return {"entry": index[leaf.path]}
         if tag == "dict":
             return {"dict": [[k, node(v)] for k, v in value]}

@@ -87,7 +87,10 @@ class Reading(RepositoryCore):
     # -- loading ------------------------------------------------------------------------------------------------
     def load(self, run: str, step: int | None = None) -> Any:
         """The state tree of a checkpoint (latest when ``step`` is None), every chunk verified as it is read."""
-        m = self.manifest(run, step)
+        return self._load_manifest(self.manifest(run, step))
+
+    def _load_manifest(self, m: Manifest) -> Any:
+        """``load`` of a manifest already read (from ``repo.manifest``)."""
         sizes = check_rows(self.store, m)  # every row within its pack before any buffer is sized by the manifest
         objs: list[Any] = [None] * len(m.entries)
         jobs: list[Any] = []
@@ -125,7 +128,11 @@ class Reading(RepositoryCore):
         never written into it (an IntegrityError can still leave earlier tensors updated). With
         ``strict=False``, keys present on only one side are skipped. Returns ``target``.
         """
-        m = self.manifest(run, step)
+        return self._load_manifest_into(self.manifest(run, step), target, strict=strict)
+
+    def _load_manifest_into(self, m: Manifest, target: Any, *, strict: bool = True) -> Any:
+        """``load_into`` from a manifest already read (from ``repo.manifest``)."""
+        run = m.run
         stored = {e["path"]: (i, e) for i, e in enumerate(m.entries)}
         _, leaves = flatten(target)
         problems = []

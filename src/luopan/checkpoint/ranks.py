@@ -1,0 +1,169 @@
+"""The ``ranks`` member of a collective checkpoint's manifest (docs/format.md §10.5): the world size that saved it,
+the key paths kept per rank, and the global layout of sharded tensors. Written by luopan.checkpoint.collective;
+checked here in full before a reader sizes a buffer by it (a damaged layout is a CorruptManifestError)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptManifestError
+from ..format.limits import MAX_NDIM
+from ..format.manifest import Manifest
+
+_MAX_DIM = 2**48  # as the manifest schema bounds dimensions and offsets
+_MAX_WORLD = 2**24
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored shard: where it lies in the global tensor, its entry, and the ranks that held it."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    entry: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A tensor saved as shards: its global shape and the chunks that tile it."""
+
+    path: str
+    kind: str
+    dtype: str
+    size: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    def of_rank(self, rank: int) -> Chunk:
+        """The chunk ``rank`` held (every rank of the saving world held exactly one: checked on parse)."""
+        return next(c for c in self.chunks if rank in c.ranks)
+
+    def at(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Chunk | None:
+        return next((c for c in self.chunks if c.offsets == offsets and c.sizes == sizes), None)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """A manifest's ``ranks`` member, checked (world 0 and nothing else for a checkpoint saved by one process)."""
+
+    world: int = 0
+    per_rank: frozenset[str] = frozenset()
+    sharded: dict[str, Sharded] = field(default_factory=dict)
+
+
+def ranks_member(world: int, per_rank: list[str],
+                 sharded: dict[str, tuple[str, Any, list[tuple[Any, Any, int, Any]]]]) -> dict[str, Any] | None:
+    """The member for a collective save: ``sharded`` maps a path to (dtype, global size, [(offsets, sizes, entry,
+    ranks)])."""
+    if not per_rank and not sharded:
+        return None
+    out: dict[str, Any] = {"world": world, "per_rank": list(per_rank)}
+    if sharded:
+        out["sharded"] = {path: {"dtype": dtype, "size": list(size),
+                                 "chunks": [[list(o), list(s), e, list(r)] for o, s, e, r in chunks]}
+                          for path, (dtype, size, chunks) in sharded.items()}
+    return out
+
+
+def cover_problem(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """Why ``boxes`` ((offsets, sizes) each) do not tile a tensor of shape ``size`` exactly, or None when they do:
+    each inside it, none overlapping, together holding every element."""
+    for o, s in boxes:
+        if any(a + n > m for a, n, m in zip(o, s, size)):
+            return f"the shard at offsets {list(o)} of shape {list(s)} lies outside it"
+    held, total = sum(math.prod(s) for _o, s in boxes), math.prod(size)
+    if held != total:
+        return f"its shards hold {held} of its {total} elements"
+    full = [(o, s) for o, s in boxes if math.prod(s)]
+    if not size or len(full) < 2:
+        return None
+    # sweep along the dimension with the most distinct offsets: few shards are open at once (rows, columns, grids)
+    d = max(range(len(size)), key=lambda k: len({o[k] for o, _s in full}))
+    full.sort(key=lambda b: b[0][d])
+    open_: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for o, s in full:
+        open_ = [(a, n) for a, n in open_ if a[d] + n[d] > o[d]]
+        for a, n in open_:
+            if all(x < y + m and y < x + k for x, k, y, m in zip(a, n, o, s)):
+                return f"the shards at offsets {list(a)} and {list(o)} overlap"
+        open_.append((o, s))
+    return None
+
+
+def parse_ranks(m: Manifest) -> Ranks:
+    """The checked ``ranks`` member of ``m`` (an empty Ranks when it has none)."""
+    doc = m.doc.get("ranks")
+    if doc is None:
+        return Ranks()
+    where = f"manifest run {m.run!r} step {m.step}"
+    try:
+        return _parse(doc, m.entries)
+    except _Bad as exc:
+        raise CorruptManifestError(f"{where}: its ranks member is damaged: {exc}") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CorruptManifestError(f"{where}: its ranks member is damaged ({type(exc).__name__}: "
+                                   f"{str(exc)[:200]})") from None
+
+
+class _Bad(Exception):
+    pass
+
+
+def _int(v: Any, low: int, high: int, what: str) -> int:
+    if type(v) is not int or not low <= v <= high:
+        raise _Bad(f"{what} is {str(v)[:40]}")
+    return v
+
+
+def _ints(v: Any, what: str, high: int = _MAX_DIM) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > MAX_NDIM:
+        raise _Bad(f"{what} is not a list of at most {MAX_NDIM} integers")
+    return tuple(_int(x, 0, high, what) for x in v)
+
+
+def _parse(doc: Any, entries: list[dict[str, Any]]) -> Ranks:
+    if type(doc) is not dict:
+        raise _Bad("it is not an object")
+    world = _int(doc["world"], 1, _MAX_WORLD, "world")
+    per_rank = doc.get("per_rank", [])
+    if type(per_rank) is not list or not all(type(p) is str for p in per_rank):
+        raise _Bad("per_rank is not a list of key paths")
+    sharded: dict[str, Sharded] = {}
+    used: set[int] = set()
+    raw = doc.get("sharded", {})
+    if type(raw) is not dict:
+        raise _Bad("sharded is not an object")
+    for path, rec in raw.items():
+        if type(rec) is not dict or type(rec.get("dtype")) is not str or type(rec.get("chunks")) is not list:
+            raise _Bad(f"{path!r} needs a dtype, a size and chunks")
+        size = _ints(rec["size"], f"the size of {path!r}")
+        chunks, kinds, holders = [], set(), []
+        for c in rec["chunks"]:
+            if type(c) is not list or len(c) != 4:
+                raise _Bad(f"a chunk of {path!r} is not [offsets, sizes, entry, ranks]")
+            offsets, sizes = _ints(c[0], f"offsets of {path!r}"), _ints(c[1], f"sizes of {path!r}")
+            entry = _int(c[2], 0, len(entries) - 1, f"an entry of {path!r}")
+            ranks = _ints(c[3], f"ranks of {path!r}", world - 1)
+            e = entries[entry]
+            if not len(offsets) == len(sizes) == len(size):
+                raise _Bad(f"a chunk of {path!r} has {len(offsets)} offsets and {len(sizes)} sizes for "
+                           f"{len(size)} dimensions")
+            if "alias_of" in e or list(sizes) != list(e["shape"]) or e["dtype"] != rec["dtype"]:
+                raise _Bad(f"the chunk of {path!r} at {list(offsets)} is not its entry's shape and dtype")
+            if entry in used:
+                raise _Bad(f"entry {entry} is a chunk twice")
+            used.add(entry)
+            kinds.add(e["kind"])
+            holders += ranks
+            chunks.append(Chunk(offsets, sizes, entry, ranks))
+        if len(kinds) != 1:
+            raise _Bad(f"{path!r} has no chunks, or chunks of several kinds")
+        if sorted(holders) != list(range(world)):
+            raise _Bad(f"the chunks of {path!r} do not name each of the {world} ranks once")
+        problem = cover_problem(size, [(c.offsets, c.sizes) for c in chunks])
+        if problem:
+            raise _Bad(f"{path!r} of size {list(size)}: {problem}")
+        sharded[path] = Sharded(path, kinds.pop(), rec["dtype"], size, tuple(chunks))
+    return Ranks(world, frozenset(per_rank), sharded)
