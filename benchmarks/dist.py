@@ -12,9 +12,12 @@ DCP writes is unique to one rank), with `FileSystemWriter(new dir)` (defaults: `
 D2.dcp_resave_vs_filesystem: one "training step" later: a fixed set of whole tensors totalling about 1% of the state
 (a seeded choice: whole tensors closest to 1% of the bytes; the exact fraction is in the JSON) gets an update
 (`add_` of small noise to every element), then the second save: `FileSystemWriter` into a new directory (it writes
-everything again) / `luopan.dcp.Writer` into the same repository at step 1 (it writes only the changed chunks).
-Goal >= 10. Context (one sample, not a goal): the same re-save after 1% of the rows of *every* tensor changed at
-scattered positions, where chunk deduplication cannot help (luopan.dcp stores no row deltas).
+everything again) / `luopan.dcp.Writer(..., trust_versions=True)` into the same repository at step 1 (both luopan
+saves pass trust_versions=True: tensors whose version counter did not move reuse their chunks unread, the changed
+ones are hashed and only their changed chunks written). Goal >= 10. Context (not goals): the same re-save without
+trust_versions (`hashing`: every byte hashed, another training step later, at step 2); and (one sample) the re-save
+after 1% of the rows of *every* tensor changed at scattered positions, where chunk deduplication cannot help
+(luopan.dcp stores no row deltas).
 
 D3.ddp_bytes_over_state: a DDP-style state (both ranks hold the same full tensors, replicated) saved by both ranks
 through `luopan.dcp.Writer` (DCP's planner gives each replicated item to one rank): bytes of the pack files under
@@ -271,9 +274,10 @@ class _Worker:
             f"{changed_bytes / MIB:.2f} MiB ({100 * changed_bytes / nbytes:.2f}%)")
         state, local = self.sharded_state(layout)
         g = torch.Generator().manual_seed(2000 + self.rank)
-        samples: dict[str, list[float]] = {k: [] for k in ("d1_fs", "d1_lp", "d2_fs", "d2_lp")}
+        samples: dict[str, list[float]] = {k: [] for k in ("d1_fs", "d1_lp", "d2_fs", "d2_lp", "d2_lp_hashing")}
         lp_first: list[dict[str, Any]] = []
         lp_second: list[dict[str, Any]] = []
+        lp_hashing: list[dict[str, Any]] = []
         packs_growth: list[int] = []
 
         def peer(r: int) -> tuple[float, float]:
@@ -290,22 +294,31 @@ class _Worker:
         def ours(r: int) -> tuple[float, float]:
             p = os.path.join(work, f"lp{r}")
             self.new_repo(p)
-            t1 = self.timed_save(state, luopan.dcp.Writer(p, RUN, 0))
+            t1 = self.timed_save(state, luopan.dcp.Writer(p, RUN, 0, trust_versions=True))
             first = self.info(p, RUN)
             before = dir_bytes(os.path.join(p, "packs")) if self.rank == 0 else 0
             self.train_step(local, trainable, g)
-            t2 = self.timed_save(state, luopan.dcp.Writer(p, RUN, 1))
+            t2 = self.timed_save(state, luopan.dcp.Writer(p, RUN, 1, trust_versions=True))
             second = self.info(p, RUN)
+            growth = dir_bytes(os.path.join(p, "packs")) - before if self.rank == 0 else 0
+            if r == 0:
+                self.check_sharded("D2 luopan re-save (luopan.dcp.Reader)", luopan.dcp.Reader(p, RUN, 1), local)
+            self.train_step(local, trainable, g)  # context: the same re-save, every byte hashed
+            hashing_s = self.timed_save(state, luopan.dcp.Writer(p, RUN, 2))
+            third = self.info(p, RUN)
             if self.rank == 0:
                 if r:
                     lp_first.append(first)
                     lp_second.append(second)
-                    packs_growth.append(dir_bytes(os.path.join(p, "packs")) - before)
-                for i, got in enumerate((first, second)):
+                    lp_hashing.append(third)
+                    packs_growth.append(growth)
+                    samples["d2_lp_hashing"].append(hashing_s)
+                for i, got in enumerate((first, second, third)):
                     if got["logical_bytes"] != nbytes:
                         self.problems.append(f"luopan step {i}: logical_bytes {got['logical_bytes']} != {nbytes}")
             if r == 0:
-                self.check_sharded("D2 luopan re-save (luopan.dcp.Reader)", luopan.dcp.Reader(p, RUN, 1), local)
+                self.check_sharded("D2 luopan re-save, hashing (luopan.dcp.Reader)", luopan.dcp.Reader(p, RUN, 2),
+                                   local)
             self.drop(p)
             return t1, t2
 
@@ -319,7 +332,8 @@ class _Worker:
                     samples[f"d1_{key}"].append(t1)
                     samples[f"d2_{key}"].append(t2)
             log(f"  rep {r}{' (warm-up)' if not r else ''}: D1 FileSystemWriter {got['fs'][0]:.3f}s / luopan "
-                f"{got['lp'][0]:.3f}s; D2 FileSystemWriter {got['fs'][1]:.3f}s / luopan {got['lp'][1]:.3f}s")
+                f"{got['lp'][0]:.3f}s; D2 FileSystemWriter {got['fs'][1]:.3f}s / luopan {got['lp'][1]:.3f}s "
+                f"(trust_versions)")
 
         # context: 1% of the rows of every tensor, scattered (one sample)
         p = os.path.join(work, "lp-scattered")
@@ -346,6 +360,7 @@ class _Worker:
             "samples_s": samples,
             "lp_first": lp_first,
             "lp_second": lp_second,
+            "lp_hashing": lp_hashing,
             "packs_growth": packs_growth,
             "scattered": scattered,
         }
@@ -442,16 +457,19 @@ def assemble(w: dict[str, Any], size_mib: int, reps: int, port: int, machine: di
         "After the first save (D1), one training step updates every element of a fixed set of whole tensors "
         f"({len(w['trainable'])} tensors, {w['changed_bytes']} bytes = {100 * w['changed_bytes'] / nbytes:.2f}% "
         "of the state); then the second save: FileSystemWriter into a new directory / luopan.dcp.Writer into the "
-        "same repository at step 1 (only changed chunks are written; every chunk is still hashed). Extra field "
-        "`scattered`: one luopan re-save after 1% of the rows of every tensor changed at random positions "
-        "(context: whole 4 MiB chunks are rewritten, luopan.dcp stores no row deltas).",
+        "same repository at step 1 with trust_versions=True (as its first save): tensors whose version counter "
+        "did not move reuse their previous chunks unread; the changed ones are hashed and only changed chunks "
+        "written. Extra field `hashing`: the same re-save without trust_versions (every byte hashed; another "
+        "training step later, at step 2). Extra field `scattered`: one luopan re-save after 1% of the rows of "
+        "every tensor changed at random positions (context: whole 4 MiB chunks are rewritten, luopan.dcp stores "
+        "no row deltas).",
         changed_bytes=w["changed_bytes"], changed_fraction=w["changed_bytes"] / nbytes,
         trainable_tensors=w["trainable"], luopan_resave_new_bytes=second_new,
         luopan_resave_stored_bytes=[x["stored_bytes"] for x in w["lp_second"]],
         luopan_resave_packs_growth_bytes=w["packs_growth"],
         luopan_resave_bytes_over_changed=(round(median(second_new) / w["changed_bytes"], 4)
                                           if second_new and w["changed_bytes"] else None),
-        scattered=_scattered(w, s, nbytes))
+        hashing=_hashing(w, s), scattered=_scattered(w, s, nbytes))
     d3w = w["d3"]
     value = d3w["packs_bytes"] / d3w["state_bytes"]
     info = d3w["info"]
@@ -515,13 +533,25 @@ def assemble(w: dict[str, Any], size_mib: int, reps: int, port: int, machine: di
             "timing": "rank 0, barrier before dcp.save to barrier after it; sync + gc.collect before, GC paused",
             "peer": "torch.distributed.checkpoint.FileSystemWriter defaults (single_file_per_rank=True, "
                     "sync_files=True, thread_count=1)",
-            "luopan": "luopan.dcp.Writer(repo path, run, step); a fresh repository per repetition (luopan.open by "
-                      "rank 0, untimed); the re-save goes into the same repository at step 1",
+            "luopan": "luopan.dcp.Writer(repo path, run, step, trust_versions=True); a fresh repository per "
+                      "repetition (luopan.open by rank 0, untimed); the re-save goes into the same repository at step "
+                      "1 (and, context, one more without trust_versions at step 2)",
             "page_cache": "warm (the state is in memory; saves write to the page cache and fsync)",
         },
         "results": results,
         "samples_s": s,
         "problems": problems,
+    }
+
+
+def _hashing(w: dict[str, Any], s: dict[str, list[float]]) -> dict[str, Any]:
+    lp = s.get("d2_lp_hashing") or []
+    fs = median(s["d2_fs"])
+    return {
+        "luopan_s": median(lp) if lp else None,
+        "luopan_samples_s": lp,
+        "ratio_vs_filesystem_median": ratio(fs, median(lp)) if lp else None,
+        "new_bytes": [x["new_bytes"] for x in w.get("lp_hashing", [])],
     }
 
 
@@ -564,6 +594,9 @@ def print_report(report: dict[str, Any]) -> None:
             xrows.append([f"{r['id']} (MiB changed / written by the re-save)",
                           f"{r['changed_bytes'] / MIB:.2f}",
                           f"{median(nb) / MIB:.2f}" if nb else "-", _fmt(r["luopan_resave_bytes_over_changed"], ".2f")])
+            hs = r["hashing"]
+            xrows.append([f"{r['id']} (re-save without trust_versions: every byte hashed)", _fmt(r["peer_s"]) + " s",
+                          _fmt(hs["luopan_s"]) + " s", _fmt(hs["ratio_vs_filesystem_median"], ".2f")])
             sc = r["scattered"]
             xrows.append([f"{r['id']} (1% of rows of every tensor, scattered)", _fmt(r["peer_s"]) + " s",
                           f"{sc['luopan_s']:.3f} s, wrote {_fmt(sc['new_over_state'], '.2f')}x state",

@@ -171,3 +171,105 @@ def test_readme_dcp_example_runs_as_written(tmp_path, child_env):
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     with luopan.open(tmp_path / "ckpts") as repo:
         assert repo.steps("run-dcp") == [100]
+
+
+def _spy_store_entries(monkeypatch) -> list[list[str]]:
+    """The key paths each store_entries call was given (the items a Writer read and hashed)."""
+    from luopan.checkpoint.parts import Parts
+
+    calls: list[list[str]] = []
+    original = Parts.store_entries
+
+    def spy(self, tensors):
+        calls.append([path for path, _ in tensors])
+        return original(self, tensors)
+
+    monkeypatch.setattr(Parts, "store_entries", spy)
+    return calls
+
+
+def _chunks(repo, run: str, step: int) -> dict[str, list[str]]:
+    m = repo.manifest(run, step)
+    return {e["path"]: [m.doc["packs"][r[1]] + ":" + r[0] for r in e["chunks"]] for e in m.doc["entries"]}
+
+
+def test_trust_versions_resave_reads_only_tensors_whose_version_moved(tmp_path, monkeypatch):
+    calls = _spy_store_entries(monkeypatch)
+    m = torch.nn.Linear(64, 32)
+    frozen = torch.randn(300, 100)
+    sd = {"model": m.state_dict(), "frozen": frozen, "other": torch.randn(50), "step": 1}
+    dcp.save(sd, storage_writer=luopan.dcp.Writer(tmp_path / "r", "t", 1, trust_versions=True))
+    assert sorted(calls[-1]) == ["frozen", "model.bias", "model.weight", "other"]
+    with torch.no_grad():
+        m.weight.add_(1)  # in place: its version counter moves
+    sd = {"model": m.state_dict(), "frozen": frozen, "other": torch.randn(50), "step": 2}  # a fresh state_dict()
+    dcp.save(sd, storage_writer=luopan.dcp.Writer(tmp_path / "r", "t", 2, trust_versions=True))
+    assert sorted(calls[-1]) == ["model.weight", "other"]  # "other" is a new tensor object: read again
+    with luopan.open(tmp_path / "r") as repo:
+        one, two = _chunks(repo, "t", 1), _chunks(repo, "t", 2)
+        assert one["frozen"] == two["frozen"] and one["model.bias"] == two["model.bias"]  # the same chunks, unread
+        assert one["model.weight"] != two["model.weight"] and one["other"] != two["other"]
+        assert repo.checkpoints("t")[-1].new_bytes == (64 * 32 + 50) * 4
+        repo.verify("t")
+    target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "frozen": torch.zeros(300, 100),
+              "other": torch.zeros(50), "step": 0}
+    dcp.load(target, storage_reader=luopan.dcp.Reader(tmp_path / "r", "t", 2))
+    for k, v in sd["model"].items():
+        assert torch.equal(target["model"][k], v), k
+    assert torch.equal(target["frozen"], frozen) and torch.equal(target["other"], sd["other"])
+    assert target["step"] == 2
+    dcp.save(sd, storage_writer=luopan.dcp.Writer(tmp_path / "r", "t", 3))  # without trust_versions: all read
+    assert sorted(calls[-1]) == ["frozen", "model.bias", "model.weight", "other"]
+
+
+def test_trust_versions_rehashes_items_whose_packs_gc_removed(tmp_path, monkeypatch):
+    calls = _spy_store_entries(monkeypatch)
+    sd = {"a": torch.randn(1000), "b": torch.randn(20, 20)}
+    with luopan.open(tmp_path / "r") as repo:
+        dcp.save(sd, storage_writer=luopan.dcp.Writer(repo, "t", 1, trust_versions=True))
+        repo.delete("t", 1)
+        repo.gc(grace=0)  # the packs of step 1 are gone
+        assert list(repo.store.list("packs/")) == []
+        dcp.save(sd, storage_writer=luopan.dcp.Writer(repo, "t", 2, trust_versions=True))
+        assert sorted(calls[-1]) == ["a", "b"]  # unchanged, but their previous chunks are gone: stored again
+        repo.verify("t")
+        loaded = repo.load("t", 2)
+        assert torch.equal(loaded["a"], sd["a"]) and torch.equal(loaded["b"], sd["b"])
+
+        # A gc between the writes and the commit: the commit refuses a manifest naming a removed pack.
+        writer = luopan.dcp.Writer(repo, "t", 3, trust_versions=True)
+        finish = writer.finish
+
+        def gc_then_finish(metadata, results):
+            repo.delete("t", 2)
+            repo.gc(grace=0)
+            return finish(metadata, results)
+
+        writer.finish = gc_then_finish
+        n = len(calls)
+        with pytest.raises(CheckpointException, match="was not committed"):
+            dcp.save(sd, storage_writer=writer)
+        assert len(calls) == n  # step 3 reused everything, read nothing
+        assert repo.steps("t") == []
+        dcp.save(sd, storage_writer=luopan.dcp.Writer(repo, "t", 3, trust_versions=True))  # saving again works
+        assert repo.load("t", 3)["b"].equal(sd["b"])
+        repo.verify("t")
+
+
+def test_reader_refuses_ranks_that_resolved_different_latest_steps(tmp_path):
+    """With step=None each rank resolves "latest" itself; a commit between two ranks' reads must not load a mix."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    with luopan.open(tmp_path / "r") as repo:
+        for step in (1, 2):
+            dcp.save({"w": torch.full((4,), float(step))}, storage_writer=luopan.dcp.Writer(repo, "run", step))
+    early = luopan.dcp.Reader(tmp_path / "r", "run", step=1)
+    late = luopan.dcp.Reader(tmp_path / "r", "run")  # latest: 2
+    plans = [early.prepare_local_plan(LoadPlan([])), late.prepare_local_plan(LoadPlan([]))]
+    assert [p.storage_data["luopan_step"] for p in plans] == [1, 2]
+    with pytest.raises(luopan.UsageError, match="different latest checkpoints"):
+        late.prepare_global_plan(plans)
+    assert late.prepare_global_plan(plans[1:] * 2) == plans[1:] * 2
+    state = {"w": torch.zeros(4)}
+    dcp.load(state, storage_reader=luopan.dcp.Reader(tmp_path / "r", "run"))  # one process: the check passes
+    assert torch.equal(state["w"], torch.full((4,), 2.0))

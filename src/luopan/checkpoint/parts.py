@@ -167,7 +167,7 @@ class Parts(Saving):
             raise UnsupportedValueError(f"the manifest of run {run!r} step {step} would be {len(data)} bytes, more "
                                         f"than readers accept ({MAX_MANIFEST_BYTES}): use a larger chunk_size")
         key = manifest_key(run, step)
-        parse_manifest(data, key, run, step)  # what readers will check, before it is visible
+        parsed = parse_manifest(data, key, run, step)  # what readers will check, before it is visible
         with locked(self.store, "shared", f"commit of {run} step {step}", timeout=self.lock_timeout,
                     where=self.where):
             # A part may reuse a chunk of a pack that was unreferenced then; a gc between that part and this commit
@@ -197,4 +197,4 @@ class Parts(Saving):
                           f"({exc})", stacklevel=2)
         if self.tier is not None:
             self.tier.committed(CHECKPOINTS, run, step)
-        return CheckpointInfo.from_manifest(parse_manifest(data, key, run, step), key)
+        return CheckpointInfo.from_manifest(parsed, key)

@@ -14,6 +14,7 @@ no checkpoint. DCP's metadata is kept as JSON in the manifest, never pickled. DC
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from typing import Any
@@ -25,11 +26,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ..errors import CheckpointExistsError, CorruptManifestError, UnsupportedValueError
+from ..errors import CheckpointExistsError, CorruptManifestError, UnsupportedValueError, UsageError
 from ..format.names import check_run, check_step, escape_key, join_path, manifest_key
 from ..repo import Repo, open as open_repo
 from ..tree import flatten, unflatten
 from .layout import check_storage, decode_metadata, encode_metadata, index_json
+from .reuse import Reuse
 
 
 def _repo(repo_or_url: Repo | str | os.PathLike[str], create: bool) -> Repo:
@@ -48,18 +50,36 @@ def _item_path(index: MetadataIndex, whole: bool) -> str:
 
 
 class Writer(StorageWriter):
-    """A DCP ``StorageWriter`` committing one luopan checkpoint ``run``/``step`` (every rank passes the same)."""
+    """A DCP ``StorageWriter`` committing one luopan checkpoint ``run``/``step`` (every rank passes the same).
+
+    ``trust_versions=True`` (opt-in) skips reading tensors whose torch version counter (and storage, address, layout,
+    dtype, device) has not moved since this process last saved the same item of ``run`` into this repository through
+    a Writer: their previous chunks are referenced again (when their packs are still there), so a re-save after a
+    step that changed a few tensors reads only those. Writes that bypass the counter are then missed — silently
+    stale data: ``t.data[...] = …``, writes through ``t.numpy()`` or DLPack views, custom kernels, and **fused
+    optimizers** (``torch.optim.AdamW(fused=True)``), which update weights and moments in place without moving it.
+    A state dict of ``{k: p.data}`` gets no reuse (each ``.data`` has a fresh counter), nor does ``dcp.async_save``
+    (it stages copies). Use it for state changed only by ordinary (non-fused) in-place ops, as ``repo.save``'s.
+    """
 
     def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str, step: int, *,
-                 metrics: dict[str, Any] | None = None, overwrite: bool = False) -> None:
+                 metrics: dict[str, Any] | None = None, overwrite: bool = False, trust_versions: bool = False) -> None:
         super().__init__()
         self.location = repo_or_url
         self.run = check_run(run)
         self.step = check_step(step)
         self.metrics = metrics
         self.overwrite = overwrite
+        self.trust_versions = trust_versions
         self.is_coordinator = True
         self.info: Any = None  # the CheckpointInfo, on the coordinator once committed
+        self._repo: Repo | None = None
+
+    def _open(self) -> Repo:
+        """The repository, opened once per Writer (one save) when given a path or URL."""
+        if self._repo is None:
+            self._repo = _repo(self.location, create=True)
+        return self._repo
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         return None
@@ -72,7 +92,7 @@ class Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # On the coordinator, before any rank writes: a step that exists is refused now, not after the writes.
-        if not self.overwrite and _repo(self.location, create=True).store.exists(manifest_key(self.run, self.step)):
+        if not self.overwrite and self._open().store.exists(manifest_key(self.run, self.step)):
             raise CheckpointExistsError(f"run {self.run!r} already has a checkpoint at step {self.step}; pass "
                                         "overwrite=True to luopan.dcp.Writer to replace it")
         return plans
@@ -85,9 +105,11 @@ class Writer(StorageWriter):
         return False  # a luopan checkpoint is named by its Writer's arguments, not by a checkpoint_id
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        repo = _repo(self.location, create=True)
+        repo = self._open()
+        reuse = Reuse(repo, self.run) if self.trust_versions else None
         tensors: list[tuple[str, Any]] = []
         results: list[WriteResult] = []
+        kept: dict[str, dict[str, Any]] = {}  # path -> previous entry reused (trust_versions)
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -96,10 +118,19 @@ class Writer(StorageWriter):
             t = data.detach()
             whole = item.tensor_data is None or list(item.tensor_data.chunk.sizes) == list(item.tensor_data.size)
             path = _item_path(item.index, whole)
-            tensors.append((path, t.cpu() if t.device.type != "cpu" else t))
             results.append(WriteResult(item.index, t.numel() * t.element_size(), {"path": path}))
+            previous = reuse.previous(path, t) if reuse is not None else None
+            if previous is not None:
+                kept[path] = previous
+                continue
+            tensors.append((path, t.cpu() if t.device.type != "cpu" else t))
         stored = repo.store_entries(tensors) if tensors else None
         entries = {e["path"]: e for e in stored.entries} if stored else {}
+        if reuse is not None:
+            for path, e in entries.items():
+                reuse.stored(path, e)
+            reuse.keep()
+        entries.update(kept)
         out = [WriteResult(r.index, r.size_in_bytes, {**r.storage_data, "entry": entries[r.storage_data["path"]]})
                if "path" in r.storage_data else r for r in results]
         if out and stored is not None:  # what this rank wrote travels with its first result
@@ -109,7 +140,7 @@ class Writer(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        repo = _repo(self.location, create=True)
+        repo = self._open()
         entries: list[dict[str, Any]] = []
         storage: list[list[Any]] = []
         nodes: dict[str, dict[str, Any]] = {}  # fqn -> a value's node, or a whole tensor's entry node
@@ -199,9 +230,19 @@ class Reader(StorageReader):
         self._storage = metadata.storage_data or self._storage
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # The step this rank read (with step=None, each rank resolves "latest" itself): checked on the coordinator.
+        if plan.storage_data is not None and not isinstance(plan.storage_data, dict):
+            return plan  # a storage_data this reader did not make: leave it alone
+        return dataclasses.replace(plan, storage_data={**(plan.storage_data or {}),
+                                                       "luopan_step": self._load_manifest().step})
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        steps = sorted({p.storage_data.get("luopan_step") for p in plans if isinstance(p.storage_data, dict)},
+                       key=str)
+        if len(steps) > 1:  # a save committed between two ranks' reads of "latest": never load a mix of steps
+            raise UsageError(f"the ranks loading run {self.run!r} found different latest checkpoints (steps "
+                             f"{', '.join(map(str, steps))}: one was committed while they read); nothing was loaded "
+                             "— pass step= to luopan.dcp.Reader")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
