@@ -113,12 +113,17 @@ def test_resume_gives_the_same_losses(tmp_path, use_lora) -> None:
         assert torch.equal(v, final[k]), k
 
 
-def test_resume_by_step_and_by_checkpoint_path(tmp_path) -> None:
+def test_resume_by_step_and_by_checkpoint_path(tmp_path):
     repo = luopan.open(tmp_path / "repo")
     first, _ = make_trainer(tmp_path, repo, tiny_llama(), max_steps=4)
     first.train()
     expected = losses(first)
+    again, _ = make_trainer(tmp_path, repo, tiny_llama(), max_steps=4)
+    with pytest.raises(luopan.UsageError, match="steps 4 after step 2"):  # would replace step 4 of that training
+        again.train(resume_from_checkpoint=2)
+    assert repo.steps("hf-run") == [2, 4]
     for resume in (2, str(tmp_path / "out" / "checkpoint-2")):
+        repo.delete("hf-run", 4)
         again, _ = make_trainer(tmp_path, repo, tiny_llama(), max_steps=4)
         again.train(resume_from_checkpoint=resume)
         got = losses(again)
@@ -126,9 +131,23 @@ def test_resume_by_step_and_by_checkpoint_path(tmp_path) -> None:
     again, _ = make_trainer(tmp_path, repo, tiny_llama(), max_steps=4)
     with pytest.raises(luopan.CheckpointNotFoundError, match="no checkpoint at step 3"):
         again.train(resume_from_checkpoint=3)
+    with pytest.raises(luopan.UsageError, match="output_dir"):  # another experiment's directory is not this run
+        again.train(resume_from_checkpoint=str(tmp_path / "elsewhere" / "checkpoint-2"))
+    with pytest.raises(luopan.UsageError, match="already has checkpoints at steps 2, 4"):  # a fresh training
+        again.train()
+    assert repo.steps("hf-run") == [2, 4]
     fresh, _ = make_trainer(tmp_path, repo, tiny_llama(), run="never-saved")
     with pytest.raises(luopan.CheckpointNotFoundError, match="no checkpoint to resume from"):
         fresh.train(resume_from_checkpoint=True)
+
+
+def test_a_pinned_step_is_never_replaced(tmp_path):
+    repo = luopan.open(tmp_path / "repo")
+    repo.save("r", 2, {"w": torch.zeros(3)})
+    repo.run("r").pin(2, "release")
+    with pytest.raises(luopan.UsageError, match="pinned"):
+        repo.save("r", 2, {"w": torch.ones(3)}, overwrite=True)
+    assert torch.equal(repo.load("r", 2)["w"], torch.zeros(3))
 
 
 @pytest.mark.parametrize("limit", [1, 2])
@@ -149,6 +168,7 @@ def test_save_total_limit_keeps_the_best_and_loads_it_at_the_end(tmp_path, limit
     best = trainer.state.best_global_step
     evals = {r["step"]: r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r}
     assert best == max(evals, key=evals.get)
+    assert best < 8  # an early best: rotation had to keep it
     for steps in seen:  # after every save: the newest `limit` and the best, nothing else
         assert best in steps or max(steps) < best
     assert seen[-1] == sorted({*seen[-1][-limit:], best})
@@ -161,6 +181,52 @@ def test_save_total_limit_keeps_the_best_and_loads_it_at_the_end(tmp_path, limit
     info = {c.step: c for c in repo.checkpoints("hf-run")}
     assert "eval_loss" in info[best].metrics
     assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best}")
+
+
+def test_a_best_found_at_an_unsaved_evaluation_does_not_lose_the_saved_best(tmp_path):
+    """evals every 2 steps, saves every 4: the Trainer's best checkpoint is the best *saved* step."""
+    repo = luopan.open(tmp_path / "repo")
+    scores = iter([1.0, 5.0, 9.0, 2.0])  # evals at 2, 4, 6, 8: best saved at 4; step 6 is better but not saved
+    trainer, _ = make_trainer(tmp_path, repo, tiny_llama(), max_steps=8, save_steps=4, eval_ds=Tokens(4, 2),
+                              eval_strategy="steps", eval_steps=2, metric_for_best_model="score",
+                              greater_is_better=True, load_best_model_at_end=True, save_total_limit=1)
+    trainer.compute_metrics = lambda pred: {"score": next(scores)}
+    trainer.train()
+    assert trainer.state.best_global_step == 6
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
+    assert repo.steps("hf-run") == [4]
+    best_model = repo.load("hf-run", 4)["model"]
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, best_model[k]), k
+
+
+def test_one_callback_per_trainer(tmp_path):
+    repo = luopan.open(tmp_path / "repo")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=2, save_steps=2, report_to=[],
+                                          use_cpu=True, disable_tqdm=True)
+    cb = LuopanCallback(repo, "one")
+    transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(8, 1), callbacks=[cb])
+    with pytest.raises(luopan.UsageError, match="another Trainer"):
+        transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(8, 1), callbacks=[cb])
+
+
+@pytest.mark.parametrize("kind", ["adapter-named-model", "modules_to_save", "trainable_tokens"])
+def test_base_fingerprint_covers_every_base_tensor(kind):
+    def wrap(m):
+        if kind == "adapter-named-model":  # an adapter name equal to a key component of the base
+            return peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules=["q_proj"]), adapter_name="model")
+        if kind == "modules_to_save":
+            return peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+        return peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                      trainable_token_indices={"embed_tokens": [1, 2]}))
+
+    base = tiny_llama()
+    plain = luopan.torch.fingerprint(base)
+    assert luopan.peft.base_fingerprint(wrap(base)) == plain
+    other = tiny_llama()
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight[0, 0] += 1  # one base weight differs
+    assert luopan.peft.base_fingerprint(wrap(other)) != plain
 
 
 def test_adapter_refused_on_another_base_and_exported_for_peft(tmp_path) -> None:
@@ -203,8 +269,13 @@ def test_adapter_refused_on_another_base_and_exported_for_peft(tmp_path) -> None
         loaded.eval()
         with torch.no_grad():
             assert torch.equal(loaded(ids).logits, trainer.model(ids).logits)
-    r = CliRunner().invoke(app, ["export", "-r", str(tmp_path / "repo"), "whole", "--adapter", "-o", str(cli_out)])
-    assert r.exit_code == 4, r.output  # no such run
+    repo.save("plain", 1, {"model": {"w": torch.zeros(2)}})
+    r = CliRunner().invoke(app, ["export", "-r", str(tmp_path / "repo"), "plain", "--adapter", "-o", str(cli_out)])
+    assert r.exit_code == 4 and "not an adapter checkpoint" in r.output, r.output
+    wrong = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                              task_type="CAUSAL_LM"))
+    with pytest.raises(luopan.UsageError, match="target_modules"):  # same base, another config: not loaded partially
+        luopan.peft.load_adapter(repo, "hf-run", wrong)
 
 
 def test_base_fingerprint_is_the_plain_models_and_the_callback_needs_binding(tmp_path) -> None:

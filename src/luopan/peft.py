@@ -43,18 +43,52 @@ def _adapter_name(model: Any, adapter_name: str | None) -> str:
 
 
 def base_state(model: Any) -> dict[str, Any]:
-    """The frozen base model's tensors under the names they have without PEFT: adapter tensors (any key component
-    naming an adapter) are left out, and PEFT's wrapper components ``base_layer`` and ``original_module`` dropped."""
+    """The frozen base model's tensors under the names they have without PEFT. Found from PEFT's own modules, not
+    from names: every tensor of an adapter container (a tuner layer's ``adapter_layer_names`` and
+    ``other_param_names``, a wrapper's ``modules_to_save`` or trainable-token delta) is left out, and a wrapper's
+    path to the module it wraps (``base_layer``, ``original_module``, ``token_adapter.base_layer``) is dropped."""
     if not is_peft_model(model):
         return model.state_dict()
-    adapters = set(model.peft_config)
+    base = model.get_base_model()
+    drop, rename = _peft_layout(base)
     out: dict[str, Any] = {}
-    for key, tensor in model.get_base_model().state_dict().items():
-        parts = key.split(".")
-        if adapters.intersection(parts):
+    for key, tensor in base.state_dict().items():
+        if key.startswith(drop):
             continue
-        out[".".join(p for p in parts if p not in ("base_layer", "original_module"))] = tensor
+        for _ in range(64):  # wrappers may nest: rewrite the longest wrapper prefix until none applies
+            hit = next(((a, b) for a, b in rename if key.startswith(a)), None)
+            if hit is None:
+                break
+            key = hit[1] + key[len(hit[0]):]
+        out[key] = tensor
     return out
+
+
+def _peft_layout(base: Any) -> tuple[tuple[str, ...], list[tuple[str, str]]]:
+    """(key prefixes of adapter tensors, [(wrapper prefix, the wrapped module's prefix)] longest first)."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # older PEFT: modules_to_save is the only wrapper
+        AuxiliaryTrainingWrapper = ModulesToSaveWrapper  # noqa: N806
+    drop: list[str] = []
+    rename: list[tuple[str, str]] = []
+    for name, module in base.named_modules():
+        pre = f"{name}." if name else ""
+        if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            for attr in (*getattr(module, "adapter_layer_names", ()), *getattr(module, "other_param_names", ())):
+                drop.append(f"{pre}{attr}.")
+        if isinstance(module, BaseTunerLayer) and isinstance(getattr(module, "base_layer", None), torch.nn.Module):
+            rename.append((f"{pre}base_layer.", pre))
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            wrapped = getattr(module, "original_module", None)
+            rel = next((r for r, m in module.named_modules() if r and m is wrapped), None)
+            if rel:
+                rename.append((f"{pre}{rel}.", pre))
+    return tuple(drop), sorted(rename, key=lambda pair: -len(pair[0]))
 
 
 def base_fingerprint(model: Any) -> str:
@@ -78,6 +112,9 @@ def adapter_state(model: Any, adapter_name: str | None = None) -> dict[str, Any]
 def check_base(model: Any, record: dict[str, Any], where: str) -> None:
     """BaseMismatchError, naming both fingerprints, when ``model``'s base is not the one ``record`` was saved on."""
     saved = record.get("base_fingerprint")
+    if not isinstance(saved, str):
+        raise BaseMismatchError(f"{where} records no base fingerprint, so its base cannot be checked: it was not "
+                                "saved by luopan.peft / luopan.hf")
     live = base_fingerprint(model)
     if saved != live:
         raise BaseMismatchError(
@@ -96,11 +133,28 @@ def apply_adapter(model: Any, tree: dict[str, Any], where: str, adapter_name: st
                          "PeftModel) and pass that")
     check_base(model, tree["peft"], where)
     name = _adapter_name(model, adapter_name or tree["peft"].get("adapter_name"))
+    _check_config(model.peft_config[name].to_dict(), tree["peft"].get("config") or {}, where)
     result = set_peft_model_state_dict(model, tree["model"], adapter_name=name)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:
         raise UsageError(f"{where}: the model has no place for {len(unexpected)} adapter tensors (e.g. "
                          f"{unexpected[0]!r}): its adapter config differs from the saved one")
+
+
+def _check_config(live: dict[str, Any], saved: dict[str, Any], where: str) -> None:
+    """The settings that decide which adapter tensors exist and what they mean must agree: otherwise some would stay
+    freshly initialised (a partial load) or be scaled differently."""
+    def norm(v: Any) -> Any:
+        v = getattr(v, "value", v)
+        return sorted(v) if isinstance(v, (set, frozenset, list, tuple)) else v
+
+    keys = ("peft_type", "r", "lora_alpha", "target_modules", "modules_to_save", "use_dora", "use_rslora",
+            "trainable_token_indices", "layers_to_transform")
+    bad = [f"{k}: saved {norm(saved[k])!r}, model {norm(live[k])!r}" for k in keys
+           if k in saved and k in live and norm(saved[k]) != norm(live[k])]
+    if bad:
+        raise UsageError(f"{where} is an adapter of another configuration than this model's ({'; '.join(bad)}): "
+                         "wrap the base with the saved config (luopan.peft.peft_record(...)['config'])")
 
 
 def save_adapter(repo: Any, run: str, step: int, model: Any, *, adapter_name: str | None = None,
@@ -153,8 +207,8 @@ def export_adapter(repo: Any, run: str, out_dir: str | os.PathLike[str], step: i
     """Write an adapter checkpoint as a directory ``PeftModel.from_pretrained(base, out_dir)`` loads:
     ``adapter_model.safetensors`` and ``adapter_config.json``. Returns {"path", "tensors", "bytes",
     "base_fingerprint"}."""
-    record = peft_record(repo, run, step)
-    m = repo.manifest(run, step)
+    m = repo.manifest(run, step)  # resolved once: the config and the weights come from one step
+    record = peft_record(repo, run, m.step)
     if record is None or not isinstance(record.get("config"), dict):
         raise CheckpointNotFoundError(f"run {run!r} step {m.step} is not an adapter checkpoint (no 'peft' record): "
                                       "export it with `luopan export` instead")

@@ -32,7 +32,7 @@ from ..tree import flatten
 from .environment import code_version, environment
 from .info import CheckpointInfo
 from .kind import CHECKPOINTS
-from .saving import Saving
+from .saving import Saving, refuse_pinned
 
 
 WRITTEN = ("new_chunks", "new_bytes", "stored_bytes", "new_packs")  # what each part wrote, summed into the stats
@@ -141,6 +141,8 @@ class Parts(Saving):
         CheckpointExistsError when the step exists (unless ``overwrite``)."""
         check_run(run)
         step = check_step(step)
+        if overwrite:
+            refuse_pinned(self, run, step)
         packs: dict[str, int] = {}
         out = []
         for e in entries:

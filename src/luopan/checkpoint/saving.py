@@ -21,6 +21,7 @@ from ..errors import (
     LuopanError,
     UnsupportedFormatError,
     UnsupportedValueError,
+    UsageError,
 )
 from ..format.canonical import canonical
 from ..format.chunking import chunk_spans
@@ -200,6 +201,8 @@ class Saving(RepositoryCore):
             raise CheckpointExistsError(
                 f"run {run!r} already has a checkpoint at step {step}; pass overwrite=True to replace it"
             )
+        if overwrite:
+            refuse_pinned(self, run, step)
         check_json("metadata", metadata, dict)
         try:
             encoded_metrics = encode_metrics(metrics)
@@ -300,6 +303,13 @@ class Saving(RepositoryCore):
         are never used: a crafted manifest could map a public chunk's XXH3 to another chunk's BLAKE3 and poison
         this process's saves, so the first save of a run in a process hashes everything."""
         return self._previous.get(run, {})
+
+
+def refuse_pinned(repo: Saving, run: str, step: int) -> None:
+    """A pinned checkpoint is never replaced (overwrite=True): a pin promises that content."""
+    if repo.store.exists(manifest_key(run, step)) and step in repo.run(run).pins():
+        raise UsageError(f"run {run!r} step {step} is pinned, so it is not replaced: unpin it first "
+                         f"(luopan unpin {run} {step}) or save to another step")
 
 
 def _logical(plan: SaveRequest) -> int:

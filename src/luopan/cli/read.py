@@ -64,7 +64,8 @@ def export(
     = None,
     adapter: Annotated[bool, typer.Option("--adapter", help="The checkpoint is a PEFT adapter (luopan.peft or "
                                           "luopan.hf): write a directory PeftModel.from_pretrained loads "
-                                          "(adapter_model.safetensors + adapter_config.json) at --output.")] = False,
+                                          "(adapter_model.safetensors + adapter_config.json) at --output, ./adapter by "
+                                          "default.")] = False,
 ) -> None:
     """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file; with --adapter, a PEFT
     adapter directory."""
@@ -73,7 +74,7 @@ def export(
     if adapter:
         from ..peft import export_adapter  # imports torch: only for adapters
 
-        done = export_adapter(r, run, output, step)
+        done = export_adapter(r, run, "adapter" if output == "model.safetensors" else output, step)
         out.print(f"wrote adapter of {run} ({done['tensors']} tensors, {human(done['bytes'])}) to {done['path']}; "
                   f"base fingerprint {done['base_fingerprint']}")
         return

@@ -7,7 +7,12 @@ optimizer, LR scheduler, AMP scaler, the RNG states (as tensors) and ``trainer_s
 resume_from_checkpoint=True)`` resumes from the latest luopan checkpoint of the run, ``=N`` (an int) from step N
 (a path ``…/checkpoint-N`` that does not exist on disk also means step N; an existing directory is left to the
 Trainer). ``save_total_limit`` rotates luopan checkpoints the way the Trainer rotates directories, never deleting the
-best one (``load_best_model_at_end`` loads it from luopan at the end).
+best saved one, nor a pinned one (``load_best_model_at_end`` loads the best from luopan at the end).
+
+A training only adds steps after the one it resumed from: it refuses to start when the run already holds checkpoints
+it would replace or rotate away (a fresh ``train()`` into a used run, or a resume from an earlier step of a run that
+went further) — resume from the latest, use another run, or delete them. Single process only (no DeepSpeed/FSDP:
+use luopan.dcp); hyperparameter-search trials are refused (they would share the run).
 
 Why a callback that binds itself to its Trainer: the callback API cannot stop the Trainer writing its own
 directory, and the Trainer reads a resumed checkpoint from files, not through callbacks. So the callback, when the
@@ -21,57 +26,28 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import math
 import os
-import random
 import re
 import shutil
 import tempfile
 import types
+import warnings
 from typing import Any
 
 import numpy as np
-import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .errors import CheckpointNotFoundError, UsageError
-from .format.names import check_run, is_run_name
-from .peft import adapter_state, apply_adapter, is_peft_model
-from .repo import Repo, open as open_repo
+from ..errors import CheckpointNotFoundError, UsageError
+from ..format.names import check_run, is_run_name
+from ..peft import adapter_state, apply_adapter, is_peft_model
+from ..repo import Repo, open as open_repo
+from .state import logged_metrics, plain, rng_state, set_rng_state
 
 TRAINER_STATE = "trainer_state.json"
+_REPLACED = ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
+             "_load_rng_state", "_load_best_model")
 _CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)$")
-
-
-def rng_state() -> dict[str, Any]:
-    """The RNG states the Trainer saves (Python, NumPy, torch CPU and CUDA), as arrays only."""
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state(legacy=False)
-    out: dict[str, Any] = {
-        "python": np.array(list(internal) + [version], dtype=np.uint64),
-        "python_gauss": np.array([] if gauss is None else [gauss], dtype=np.float64),
-        "numpy_key": np.asarray(np_state["state"]["key"], dtype=np.uint32),
-        "numpy_misc": np.array([np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"]],
-                               dtype=np.float64),
-        "torch": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.random.get_rng_state_all()
-    return out
-
-
-def set_rng_state(saved: dict[str, Any]) -> None:
-    py = [int(x) for x in np.asarray(saved["python"]).tolist()]
-    gauss = np.asarray(saved["python_gauss"]).tolist()
-    random.setstate((py[-1], tuple(py[:-1]), gauss[0] if gauss else None))
-    pos, has_gauss, cached = np.asarray(saved["numpy_misc"]).tolist()
-    np.random.set_state({"bit_generator": "MT19937", "state": {"key": np.asarray(saved["numpy_key"]),
-                                                               "pos": int(pos)},
-                         "has_gauss": int(has_gauss), "gauss": float(cached)})
-    torch.random.set_rng_state(saved["torch"])
-    if "cuda" in saved and torch.cuda.is_available() and len(saved["cuda"]) == torch.cuda.device_count():
-        torch.cuda.random.set_rng_state_all(list(saved["cuda"]))
 
 
 def _default_run(args: Any) -> str:
@@ -99,30 +75,38 @@ class LuopanCallback(TrainerCallback):
 
     # -- binding ------------------------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer is None:
-            trainer = _calling_trainer(self)
-            if trainer is not None:
-                self.attach(trainer)
+        trainer = _calling_trainer(self)
+        if trainer is not None and trainer is not self.trainer:
+            self.attach(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trainer is None:
             raise UsageError("LuopanCallback was added after the Trainer was created: call "
                              "callback.attach(trainer) before trainer.train(), or pass it in Trainer(callbacks=[...])")
+        if args is not self.trainer.args:
+            raise UsageError("this LuopanCallback is bound to another Trainer: give each Trainer its own "
+                             "LuopanCallback (or call callback.attach(trainer))")
 
     def attach(self, trainer: Trainer) -> LuopanCallback:
         """Route ``trainer``'s checkpoint saves and loads through luopan (done for you when the callback is passed
         to the Trainer's constructor)."""
-        if getattr(trainer.args, "world_size", 1) > 1:
-            raise UsageError("LuopanCallback stores single-process Trainer runs; for several processes save through "
-                             "luopan.dcp (FSDP/DCP) or repo.save(..., group=True) in your own loop")
+        if self.trainer is not None and self.trainer is not trainer:
+            raise UsageError("this LuopanCallback is already bound to another Trainer: give each Trainer its own")
+        if getattr(trainer.args, "world_size", 1) > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            raise UsageError("LuopanCallback stores single-process Trainer runs without DeepSpeed or FSDP (their "
+                             "model state is sharded); for those save through luopan.dcp, or repo.save(..., "
+                             "group=True) in your own loop")
+        overridden = [name for name in _REPLACED if getattr(type(trainer), name) is not getattr(Trainer, name)]
+        if "_save_checkpoint" in overridden:
+            warnings.warn(f"{type(trainer).__name__} overrides _save_checkpoint: LuopanCallback replaces it, so that "
+                          "override does not run (subclass and call luopan's state_tree instead)", stacklevel=3)
         self.trainer = trainer
         if self.run is None:
             self.run = _default_run(trainer.args)
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         original_train = trainer.train
-        for name in ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
-                     "_load_rng_state", "_load_best_model"):
+        for name in _REPLACED:
             setattr(trainer, name, types.MethodType(getattr(LuopanCallback, "_t" + name), self))
         trainer._luopan_original = {name: getattr(type(trainer), name).__get__(trainer)  # type: ignore[attr-defined]
                                     for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler",
@@ -141,7 +125,7 @@ class LuopanCallback(TrainerCallback):
         value = resume_from_checkpoint
         if value is None or value is False:
             return None
-        steps = self.repo.steps(self.run) if self.run in self.repo.runs() else []
+        steps = self.repo.steps(self.run)
         if value is True:
             if not steps:
                 raise CheckpointNotFoundError(f"run {self.run!r} has no checkpoint to resume from in "
@@ -154,9 +138,11 @@ class LuopanCallback(TrainerCallback):
             if os.path.isdir(text):
                 return None
             match = _CHECKPOINT_DIR.search(text.rstrip("/"))
-            if match is None:
-                raise UsageError(f"resume_from_checkpoint={text!r} is neither a directory nor checkpoint-N: pass a "
-                                 f"step of run {self.run!r} (an int) or True for the latest")
+            parent = os.path.dirname(os.path.abspath(text.rstrip("/")))
+            if match is None or parent != os.path.abspath(str(self.trainer.args.output_dir)):  # type: ignore[union-attr]
+                raise UsageError(f"resume_from_checkpoint={text!r} is neither a directory nor checkpoint-N of this "
+                                 f"Trainer's output_dir: pass a step of run {self.run!r} (an int) or True for the "
+                                 "latest")
             step = int(match.group(1))
         else:
             raise UsageError(f"resume_from_checkpoint must be True, a step or a path, not {type(value).__name__}")
@@ -167,18 +153,40 @@ class LuopanCallback(TrainerCallback):
 
     def _train(self, original_train: Any, resume_from_checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
         step = self.resolve_step(resume_from_checkpoint)
+        self._check_run_is_ours(step)
         if step is None:
             return original_train(resume_from_checkpoint, *args, **kwargs)
         tree = self.repo.load(self.run, step)
         directory = tempfile.mkdtemp(prefix=f"luopan-resume-{step}-")
         try:  # the Trainer reads trainer_state.json from a path: give it one, and everything else from luopan
             with open(os.path.join(directory, TRAINER_STATE), "w", encoding="utf-8") as f:
-                json.dump(_plain(tree["trainer_state"]), f)
+                # best_model_checkpoint names no directory: restored after the Trainer's own check would drop it
+                json.dump({**plain(tree["trainer_state"]), "best_model_checkpoint": None}, f)
             self._resume = {"dir": directory, "step": step, "tree": tree}
             return original_train(directory, *args, **kwargs)
         finally:
             self._resume = None
             shutil.rmtree(directory, ignore_errors=True)
+
+    def _check_run_is_ours(self, step: int | None) -> None:
+        """A training writes only steps after the one it resumed from: refuse to start when the run holds
+        checkpoints this training would replace or rotate away (a fresh training into a used run; a resume from
+        an earlier step of a run that went further)."""
+        steps = self.repo.steps(self.run)
+        later = [s for s in steps if step is None or s > step]
+        if later:
+            shown = ", ".join(map(str, later[-8:]))
+            raise UsageError(
+                f"run {self.run!r} already has checkpoints at steps {shown}"
+                + (f" after step {step}, from a training that went further" if step is not None else "")
+                + ": this training would replace them. Resume from the latest (resume_from_checkpoint=True), give "
+                "this training its own run (LuopanCallback(repo, 'new-run')), or delete them first (repo.delete)")
+        args = self.trainer.args  # type: ignore[union-attr]
+        if args.save_total_limit == 1 and args.metric_for_best_model and os.path.isdir(str(args.output_dir)) and \
+                any(_CHECKPOINT_DIR.match(n) for n in os.listdir(str(args.output_dir))):
+            raise UsageError(f"{args.output_dir} holds the Trainer's own checkpoint-N directories, which the Trainer "
+                             "would compare with luopan's best checkpoint at the end (save_total_limit=1): move them "
+                             "out of output_dir")
 
     def _tree_for(self, checkpoint: Any) -> dict[str, Any] | None:
         r = self._resume
@@ -190,13 +198,15 @@ class LuopanCallback(TrainerCallback):
     def _t_save_checkpoint(self, model: Any, trial: Any) -> None:
         trainer = self.trainer
         assert trainer is not None
-        if trainer.hp_search_backend is None and trial is None:
-            trainer.store_flos()
+        if trial is not None or trainer.hp_search_backend is not None:
+            raise UsageError("LuopanCallback does not store hyperparameter-search trials (they would share one "
+                             "run): search without it, then train the chosen configuration with it")
+        trainer.store_flos()
         args, state = trainer.args, trainer.state
         step = int(state.global_step)
-        steps = set(self.repo.steps(self.run)) if self.run in self.repo.runs() else set()
+        steps = set(self.repo.steps(self.run))
         best = state.best_global_step
-        if best and (best == step or best in steps):
+        if best and (best == step or best in steps):  # as the Trainer: only a best step that was saved counts
             state.best_model_checkpoint = os.path.join(trainer._get_output_dir(trial=trial), f"checkpoint-{best}")
         for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control]
                    if isinstance(c, ExportableState)]:  # as the Trainer records its stateful callbacks
@@ -206,9 +216,9 @@ class LuopanCallback(TrainerCallback):
             else:
                 state.stateful_callbacks[type(cb).__name__] = cb_state
         tree = self.state_tree(trainer)
-        self.repo.save(self.run, step, tree, metrics=_metrics(state, step), overwrite=True,
+        self.repo.save(self.run, step, tree, metrics=logged_metrics(state, step), overwrite=True,
                        metadata={"hf": {"checkpoint": f"checkpoint-{step}", "transformers_trainer": True}})
-        self._rotate(args.save_total_limit, best)
+        self._rotate(args.save_total_limit, _best_step(state))
 
     def state_tree(self, trainer: Trainer) -> dict[str, Any]:
         """What one Trainer checkpoint is in luopan."""
@@ -223,7 +233,7 @@ class LuopanCallback(TrainerCallback):
                 tree["scaler"] = scaler.state_dict()
             tree["rng"] = rng_state()
         tree["trainer_state"] = json.loads(json.dumps(dataclasses.asdict(trainer.state)))
-        tree["training_args"] = _plain(trainer.args.to_dict())
+        tree["training_args"] = plain(trainer.args.to_dict())
         return tree
 
     def _rotate(self, limit: int | None, best: int | None) -> None:
@@ -244,8 +254,8 @@ class LuopanCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer deletes every checkpoint but the best at the end when save_total_limit == 1: the same here.
-        best = state.best_global_step
-        if args.save_total_limit == 1 and best and self.run in self.repo.runs():
+        best = _best_step(state)
+        if args.save_total_limit == 1 and best is not None:
             steps = self.repo.steps(self.run)
             if best in steps:
                 self._delete([s for s in steps if s != best])
@@ -257,6 +267,7 @@ class LuopanCallback(TrainerCallback):
         if tree is None:
             return trainer._luopan_original["_load_from_checkpoint"](resume_from_checkpoint, model)
         self._load_model(model if model is not None else trainer.model, tree, self._resume["step"])  # type: ignore
+        tree.pop("model", None)  # loaded: keep only what later loads need
 
     def _load_model(self, model: Any, tree: dict[str, Any], step: int) -> None:
         where = f"run {self.run!r} step {step}"
@@ -275,9 +286,11 @@ class LuopanCallback(TrainerCallback):
             trainer.optimizer.load_state_dict(tree["optimizer"])
         if "scheduler" in tree and trainer.lr_scheduler is not None:
             trainer.lr_scheduler.load_state_dict(tree["scheduler"])
-        saved = tree["trainer_state"].get("best_model_checkpoint")  # dropped by the Trainer: not a directory
-        if trainer.state.best_model_checkpoint is None and saved and \
-                tree["trainer_state"].get("best_global_step") in self.repo.steps(self.run):
+        for name in ("optimizer", "scheduler"):
+            tree.pop(name, None)
+        saved = tree["trainer_state"].get("best_model_checkpoint")  # withheld from the Trainer: not a directory
+        if trainer.state.best_model_checkpoint is None and isinstance(saved, str) and \
+                _checkpoint_step(saved) in self.repo.steps(self.run):
             trainer.state.best_model_checkpoint = saved
 
     def _t_load_scaler(self, checkpoint: Any) -> None:
@@ -288,7 +301,7 @@ class LuopanCallback(TrainerCallback):
             return trainer._luopan_original["_load_scaler"](checkpoint)
         scaler = getattr(trainer.accelerator, "scaler", None)
         if "scaler" in tree and scaler is not None:
-            scaler.load_state_dict(tree["scaler"])
+            scaler.load_state_dict(tree.pop("scaler"))
 
     def _t_load_rng_state(self, checkpoint: Any) -> None:
         tree = self._tree_for(checkpoint)
@@ -302,10 +315,25 @@ class LuopanCallback(TrainerCallback):
     def _t_load_best_model(self) -> None:
         trainer = self.trainer
         assert trainer is not None
-        best = trainer.state.best_global_step
-        if not best or best not in self.repo.steps(self.run):
-            return trainer._luopan_original["_load_best_model"]()
-        self._load_model(trainer.model, self.repo.load(self.run, best), best)
+        best = _best_step(trainer.state)
+        if best in self.repo.steps(self.run):
+            self._load_model(trainer.model, self.repo.load(self.run, best), best)
+        elif os.path.isdir(str(trainer.state.best_model_checkpoint)):  # a Trainer directory this run resumed from
+            trainer._luopan_original["_load_best_model"]()
+        else:
+            warnings.warn(f"the best checkpoint ({trainer.state.best_model_checkpoint}) is neither in run "
+                          f"{self.run!r} nor on disk: the final model is not the best one", stacklevel=2)
+
+
+def _checkpoint_step(path: Any) -> int | None:
+    match = _CHECKPOINT_DIR.search(str(path).rstrip("/")) if path else None
+    return int(match.group(1)) if match else None
+
+
+def _best_step(state: Any) -> int | None:
+    """The step of the best checkpoint the Trainer tracks (``best_model_checkpoint``: only a saved best counts, not
+    ``best_global_step``, which also moves at an evaluation that was not saved)."""
+    return _checkpoint_step(state.best_model_checkpoint)
 
 
 def _calling_trainer(callback: LuopanCallback) -> Trainer | None:
@@ -323,26 +351,3 @@ def _calling_trainer(callback: LuopanCallback) -> Trainer | None:
         return None
     finally:
         del frame
-
-
-def _plain(value: Any) -> Any:
-    """JSON data for the Trainer's own files: sets as lists, enums as values, non-finite floats as JSON allows."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return value
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return getattr(value, "value", str(value))
-
-
-def _metrics(state: Any, step: int) -> dict[str, float] | None:
-    """The numbers the Trainer logged at this step (eval metrics, loss), for `luopan ls` and retention."""
-    out: dict[str, float] = {}
-    for row in state.log_history:
-        if row.get("step") == step:
-            out.update({k: float(v) for k, v in row.items()
-                        if k not in ("step", "epoch") and isinstance(v, (int, float)) and not isinstance(v, bool)})
-    return out or None
