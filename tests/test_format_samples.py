@@ -148,6 +148,11 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return lambda d: parse_ref(sealed(d), "refs/runs/run-a/latest.json")
     if heading.startswith("### 9.1"):
         return lambda d: parse_pin(sealed(d), "refs/pins/run-a/00000100.json", "run-a", 100)
+    if heading.startswith("### 9.3"):
+        from luopan.checkpoint.signatures import parse_signature
+
+        return lambda d: parse_signature(json.dumps(d).encode(), "refs/signatures/run-a/00000100/x.json", "run-a",
+                                         100)
     if heading.startswith("### 9.2"):
         return lambda d: parse_lock("locks/shared-0123456789abcdef.json", sealed(d))
     if heading.startswith("### 10.2"):
@@ -186,7 +191,7 @@ SAMPLES = samples()
 
 def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
-    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2",
+    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2", "### 9.3",
                     "### 10.2", "### 10.3", "### 10.5"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval

@@ -166,6 +166,18 @@ class UnreadableError(IntegrityError):
     """``verify`` could not read part of the repository (permissions, an I/O error), so it cannot vouch for it."""
 
 
+class SignatureError(IntegrityError):
+    """A signature does not verify: the signed bytes were changed, or it was made with another key."""
+
+
+class UntrustedKeyError(SignatureError):
+    """A signature made by a key that is not in the trusted keys (``--trusted-keys DIR`` / LUOPAN_TRUSTED_KEYS)."""
+
+
+class UnsignedError(SignatureError):
+    """Something unsigned where trusted keys are given, so a signature by one of them is required."""
+
+
 class LockedError(LuopanError, TimeoutError):
     """The repository is locked (by a prune/gc, or by saves when we want the exclusive lock) for longer than we were
     willing to wait. The message names the holders and how to remove a stale lock."""

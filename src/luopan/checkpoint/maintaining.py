@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, UnreadableError, UsageError
-from ..format.names import check_run, check_step, manifest_key
+from ..format.names import check_run, check_step, manifest_key, signatures_prefix
 from ..repository.locks import locked
 from ..repository.pins import pin_problems
 from ..repository.verify import index_problems, raise_problems, verify_manifests
 from ..repository.pruning import prune_series
 from ..retention import Plan, Rules
 from .._compat import deprecated_alias
+from ..signing import SigningKey, TrustedKeys, load_signing_key
+from . import signatures
 from .info import VerifyReport
 from .kind import CHECKPOINTS
 from .reading import Reading
@@ -29,6 +32,7 @@ class Maintaining(Saving, Reading):
         *,
         progress: Callable[[int], Any] | None = None,
         on_total: Callable[[int], Any] | None = None,
+        trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None,
     ) -> VerifyReport:
         """Read every byte of the selected checkpoints and check every hash.
 
@@ -36,7 +40,11 @@ class Maintaining(Saving, Reading):
         ``step=None``: all checkpoints of the run. Each distinct chunk is read once. Raises IntegrityError naming
         every damaged manifest, entry and chunk (``.problems`` lists them); returns a VerifyReport when all is well.
         ``progress(n)`` is called with the bytes of each chunk checked, after ``on_total(total bytes)``.
+        ``trusted_keys`` (a TrustedKeys or a directory of ``*.pub`` files): every checkpoint verified must also carry
+        a signature of its current content by one of them (``sign``); each one that does not is a problem.
         """
+        trusted = trusted_keys if isinstance(trusted_keys, TrustedKeys) or trusted_keys is None else \
+            TrustedKeys.load(trusted_keys)
         if run is None and step is not None:
             raise InvalidNameError("verify: a step needs a run")
         if self._inflight is not None:  # let a background save finish before we touch the dedup map
@@ -57,6 +65,18 @@ class Maintaining(Saving, Reading):
         checked = verify_manifests(self.store, self.read_manifest, targets, progress=progress, on_total=on_total)
         problems += checked.problems
         self.forget_damaged(checked.chunk_problems)
+        if trusted is not None:
+            for kind, series, number in targets:
+                if kind is not CHECKPOINTS:
+                    continue
+                try:
+                    m = self.manifest(series, number)
+                except LuopanError:
+                    continue  # a damaged manifest is reported above
+                try:
+                    signatures.check(self.store, m, trusted)
+                except LuopanError as exc:
+                    problems.append(exc)
         if step is None:  # the runs' other files: record, eval logs, pins, latest ref
             runs = {s for kind, s, _n in targets if kind is CHECKPOINTS} | ({run} if run else set())
             for r in sorted(runs):
@@ -72,6 +92,13 @@ class Maintaining(Saving, Reading):
         raise_problems(problems, report)
         return report
 
+    def sign(self, run: str, step: int | None, key: SigningKey | str | os.PathLike[str]) -> dict[str, Any]:
+        """Sign checkpoint ``step`` of ``run`` (the latest when None) with an Ed25519 key (a SigningKey or a ``.key``
+        file from ``luopan key gen``): a signature of its content (docs/format.md §14), checked by
+        ``verify(trusted_keys=…)``. Returns the signature document."""
+        signing_key = key if isinstance(key, SigningKey) else load_signing_key(key)
+        return signatures.sign(self.store, self.manifest(run, step), signing_key)
+
     def delete(self, run: str, step: int) -> bool:
         """Remove checkpoint ``step`` of ``run`` now (its manifest; the chunks only it used go at the next gc).
         A pinned checkpoint is refused (UsageError: unpin it first). Returns whether it existed."""
@@ -86,6 +113,8 @@ class Maintaining(Saving, Reading):
             if not self.store.exists(key):
                 return False
             self.store.delete(key)
+            for sig in list(self.store.list(signatures_prefix(run, step))):  # they sign content that is gone
+                self.store.delete(sig)
             return True
 
     def replication_status(self, run: str) -> dict[int, str]:

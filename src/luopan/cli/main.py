@@ -2,13 +2,13 @@
 
 Commands by concern: inspect (ls, show, diff, du), read (verify, export), maintain (init, prune, pin, unpin, gc,
 locks, unlock), artifact (artifact commit/ls/log/checkout/verify/pin/unpin/prune, lineage), tier (replicate,
-cold), plan. The repository comes from ``-r/--repo`` (before or after the command)
+cold), plan, keys (key gen, sign). The repository comes from ``-r/--repo`` (before or after the command)
 or ``LUOPAN_REPO``. Exit codes: luopan.cli.app.EXIT_CODES.
 """
 
 from __future__ import annotations
 
-from . import inspect, read, maintain, artifact, tier, plan  # noqa: F401,I001  (each registers its commands on app, in --help order)
+from . import inspect, read, maintain, artifact, tier, plan, keys  # noqa: F401,I001  (each registers its commands on app, in --help order)
 from .app import app
 
 

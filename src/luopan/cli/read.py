@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from .artifact import is_artifact_target, verify as artifact_verify
 from .app import RepoOpt, app, err, escape, handles_errors, human, open_repo, out, repo_location
 
@@ -19,12 +19,18 @@ def verify(
     run: Annotated[Optional[str], typer.Argument(help="Run (or artifact, NAME or NAME@V) to verify; the whole "
                                                       "repository when omitted.")] = None,
     step: Annotated[Optional[int], typer.Argument(help="Step to verify; all steps of RUN when omitted.")] = None,
+    trusted_keys: Annotated[Optional[str], typer.Option(
+        "--trusted-keys", envvar="LUOPAN_TRUSTED_KEYS",
+        help="Directory of trusted public keys (*.pub): every checkpoint must also be signed by one (luopan sign).")]
+    = None,
 ) -> None:
     """Read every byte of the selected checkpoints (or artifact versions) and check every hash; without RUN, the whole
     repository: every checkpoint and artifact version, records, pins and index files. Exit 3 and name the damage."""
     repo = repo_location(repo)
     r = open_repo(repo)
     if run is not None and ("@" in run or is_artifact_target(r, run)):
+        if trusted_keys:
+            raise UsageError("--trusted-keys checks checkpoint signatures; artifact versions are not signed")
         artifact_verify(repo=repo, ref=run if step is None else f"{run}@{step}")
         return
     with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -32,7 +38,7 @@ def verify(
         task = bar.add_task("verify", total=None)
         try:
             report = r.verify(run, step, progress=lambda n: bar.advance(task, n),
-                              on_total=lambda n: bar.update(task, total=n))
+                              on_total=lambda n: bar.update(task, total=n), trusted_keys=trusted_keys)
         except IntegrityError as exc:
             bar.stop()
             problems = getattr(exc, "problems", [exc])
@@ -47,7 +53,8 @@ def verify(
     for s in report.strays:
         err.print(f"[yellow]not luopan's[/] (skipped) {escape(str(s))}", highlight=False)
     out.print(f"[green]ok[/]: {report.checkpoints} checkpoint(s), {report.chunks} chunks, "
-              f"{human(report.bytes)} read and verified"
+              f"{human(report.bytes)} read and verified" + (", every checkpoint signed by a trusted key"
+                                                             if trusted_keys else "")
               + (f"; {len(report.strays)} entr{'y' if len(report.strays) == 1 else 'ies'} that "
                  f"{'is' if len(report.strays) == 1 else 'are'} not luopan's skipped" if report.strays else ""))
 

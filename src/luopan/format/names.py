@@ -97,6 +97,17 @@ def pin_key(run: str, step: int) -> str:
     return f"refs/pins/{run}/{step:08d}.json"
 
 
+def signatures_prefix(run: str, step: int) -> str:
+    return f"refs/signatures/{run}/{step:08d}/"
+
+
+def signature_key(run: str, step: int, key_hex: str) -> str:
+    """One signer's signature of a checkpoint (docs/format.md §14); ``key_hex`` is the hex part of its key id."""
+    if len(key_hex) != 32 or any(c not in "0123456789abcdef" for c in key_hex):
+        raise InvalidNameError(f"invalid key id hex {key_hex[:40]!r}")
+    return f"{signatures_prefix(run, step)}{key_hex}.json"
+
+
 # -- artifacts (docs/format.md §2): names are run names joined by "/"; "_v" and "_artifacts" cannot be one --------
 ARTIFACTS = "artifacts/"
 ARTIFACT_VERSIONS = "_v"
