@@ -128,3 +128,21 @@ def test_tier1_caveat_writes_bypassing_the_version_counter(tmp_path):
     assert repo.load("r", 2)["t"][0] == 0.0  # missed: the caveat
     repo.save("r", 3, {"t": t})  # the default looks at the bytes
     assert repo.load("r", 3)["t"][0] == 5.0
+
+
+def test_load_into_moves_version_counters_so_trust_versions_sees_the_restore(tmp_path):
+    """load_into writes through a byte view torch does not track; without a version bump the next trust_versions
+    save would reuse the pre-restore chunks."""
+    import torch
+
+    import luopan
+
+    repo = luopan.open(tmp_path / "r")
+    w = torch.full((256,), 1.0)
+    repo.save("run", 1, {"w": w}, trust_versions=True)
+    w.fill_(2.0)
+    repo.save("run", 2, {"w": w}, trust_versions=True)
+    repo.load_into("run", {"w": w}, step=1)
+    assert torch.equal(w, torch.full((256,), 1.0))
+    repo.save("run", 3, {"w": w}, trust_versions=True)
+    assert torch.equal(repo.load("run", 3)["w"], torch.full((256,), 1.0))

@@ -184,3 +184,14 @@ def test_shard_declarations_are_checked_and_only_collective_saves_take_them(repo
         luopan.Shard(torch.zeros(2), (4.0,), (0,))
     with pytest.raises(luopan.UnsupportedValueError, match="Shard"):
         repo.save("r", 1, {"w": luopan.Shard(torch.zeros(2), (4,), (2,))})
+
+
+def test_a_shard_replicated_on_more_than_64_ranks_reads_back_and_bad_layouts_are_not_committed():
+    from luopan.checkpoint.ranks import check_member, ranks_member
+
+    entries = [{"path": "w/shard-0", "kind": "torch", "dtype": "float32", "shape": [4]}]
+    member = ranks_member(65, [], {"w": ("float32", (4,), [((0,), (4,), 0, tuple(range(65)))])})
+    check_member(member, entries)  # 65 ranks hold the one shard: readable
+    gap = ranks_member(2, [], {"w": ("float32", (8,), [((0,), (4,), 0, (0, 1))])})
+    with pytest.raises(luopan.UsageError, match="nothing was committed"):
+        check_member(gap, entries)

@@ -273,3 +273,22 @@ def test_reader_refuses_ranks_that_resolved_different_latest_steps(tmp_path):
     state = {"w": torch.zeros(4)}
     dcp.load(state, storage_reader=luopan.dcp.Reader(tmp_path / "r", "run"))  # one process: the check passes
     assert torch.equal(state["w"], torch.full((4,), 2.0))
+
+
+def test_trust_versions_never_reuses_staged_copies_of_async_save(tmp_path):
+    """A stager passed to several async_saves refreshes the same CPU copies with storage-level copies that never
+    move a version counter: the Writer must not take them as unchanged."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    w = torch.nn.Linear(8, 8)
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    with luopan.open(tmp_path / "r") as repo:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                w.weight.add_(1.0)
+            result = dcp.async_save(w.state_dict(), storage_writer=luopan.dcp.Writer(repo, "r", step,
+                                                                                     trust_versions=True),
+                                    async_stager=stager, no_dist=True)
+            getattr(result, "upload_completion", result).result()
+            assert torch.equal(repo.load("r", step)["weight"], w.weight.detach()), step
+    stager.close()

@@ -19,7 +19,7 @@ from typing import Any
 import xxhash
 
 from .. import typed
-from ..errors import CollectiveError, UsageError
+from ..errors import CheckpointNotFoundError, CollectiveError, UsageError
 from ..format.canonical import canonical
 from ..format.names import check_run, check_step, join_path, manifest_key
 from ..tree import flatten
@@ -27,7 +27,7 @@ from . import collectiveload
 from .collectiveload import RANK_PREFIX
 from .info import CheckpointInfo
 from .parts import WRITTEN, Parts
-from .ranks import ranks_member
+from .ranks import check_member, ranks_member
 from .shards import Placed, local_part, place_shards, unwrap
 
 
@@ -92,10 +92,18 @@ def _agreed_step(repo: Collective, run: str, step: int | None, g: Any) -> int | 
     if step is not None:
         return step
     dist = _dist()
-    steps = repo.steps(run) if dist.get_rank(g) == 0 else []
-    chosen = [steps[-1] if steps else None]
+    chosen: list[Any] = [None]
+    if dist.get_rank(g) == 0:  # an error here reaches every rank, not only rank 0 (the others would wait)
+        try:
+            steps = repo.steps(run)
+            chosen = [("ok", steps[-1]) if steps else ("error", repo._no_checkpoint(run))]
+        except Exception as exc:  # noqa: BLE001
+            chosen = [("error", f"{type(exc).__name__}: {exc}")]
     dist.broadcast_object_list(chosen, src=dist.get_global_rank(g, 0), group=g)
-    return chosen[0]
+    status, value = chosen[0]
+    if status != "ok":
+        raise CheckpointNotFoundError(f"rank 0 could not resolve the latest checkpoint of run {run!r}: {value}")
+    return int(value)
 
 
 def _agree(dist: Any, group: Any, ok: bool, what: Any, committing: bool = False) -> list[Any]:
@@ -190,6 +198,8 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                 path: (rows[path][2], rows[path][6][0],
                        [(p.offsets, p.sizes, index[join_path(path, p.name)], p.ranks) for p in placed])
                 for path, placed in sharded.items()})
+            if member:
+                check_member(member, entries)
             info = repo.commit_entries(run, step, entries, tree, metrics=metrics, metadata=metadata,
                                        overwrite=overwrite, written=written, inputs=inputs,
                                        extra={"ranks": member} if member else None)

@@ -53,6 +53,7 @@ class Parts(Saving):
         """Store the chunks of ``(key path, tensor or array)`` pairs the repository lacks; returns their manifest
         entries with chunk rows naming packs by id (not an index), for ``commit_entries``, and what was written. The
         packs and their index file are durable when this returns."""
+        self.drain()  # a save_async in flight shares the chunk index: let it finish (its error surfaces here)
         leaves = []
         for path, value in tensors:
             _skeleton, found = flatten({"v": value})

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptManifestError
+from ..errors import CorruptManifestError, UsageError
 from ..format.limits import MAX_NDIM
 from ..format.manifest import Manifest
 
@@ -92,6 +92,15 @@ def cover_problem(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tupl
     return None
 
 
+def check_member(doc: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    """The reader's check of a member about to be committed: never commit a layout readers would refuse."""
+    try:
+        _parse(doc, entries)
+    except (_Bad, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise UsageError(f"the ranks' shards do not form a layout luopan can read back ({exc}); nothing was "
+                         "committed") from None
+
+
 def parse_ranks(m: Manifest) -> Ranks:
     """The checked ``ranks`` member of ``m`` (an empty Ranks when it has none)."""
     doc = m.doc.get("ranks")
@@ -117,9 +126,9 @@ def _int(v: Any, low: int, high: int, what: str) -> int:
     return v
 
 
-def _ints(v: Any, what: str, high: int = _MAX_DIM) -> tuple[int, ...]:
-    if type(v) is not list or len(v) > MAX_NDIM:
-        raise _Bad(f"{what} is not a list of at most {MAX_NDIM} integers")
+def _ints(v: Any, what: str, high: int = _MAX_DIM, most: int = MAX_NDIM) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > most:
+        raise _Bad(f"{what} is not a list of at most {most} integers")
     return tuple(_int(x, 0, high, what) for x in v)
 
 
@@ -145,7 +154,7 @@ def _parse(doc: Any, entries: list[dict[str, Any]]) -> Ranks:
                 raise _Bad(f"a chunk of {path!r} is not [offsets, sizes, entry, ranks]")
             offsets, sizes = _ints(c[0], f"offsets of {path!r}"), _ints(c[1], f"sizes of {path!r}")
             entry = _int(c[2], 0, len(entries) - 1, f"an entry of {path!r}")
-            ranks = _ints(c[3], f"ranks of {path!r}", world - 1)
+            ranks = _ints(c[3], f"ranks of {path!r}", world - 1, world)  # a replicated shard: up to every rank
             e = entries[entry]
             if not len(offsets) == len(sizes) == len(size):
                 raise _Bad(f"a chunk of {path!r} has {len(offsets)} offsets and {len(sizes)} sizes for "
@@ -160,7 +169,7 @@ def _parse(doc: Any, entries: list[dict[str, Any]]) -> Ranks:
             chunks.append(Chunk(offsets, sizes, entry, ranks))
         if len(kinds) != 1:
             raise _Bad(f"{path!r} has no chunks, or chunks of several kinds")
-        if sorted(holders) != list(range(world)):
+        if len(holders) != world or sorted(holders) != list(range(world)):
             raise _Bad(f"the chunks of {path!r} do not name each of the {world} ranks once")
         problem = cover_problem(size, [(c.offsets, c.sizes) for c in chunks])
         if problem:

@@ -218,5 +218,7 @@ def writable_bytes(leaf: Any) -> memoryview | None:
         return None
     if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
         torch = sys.modules["torch"]
+        if not dest.is_inference():  # written through a view torch does not see: move the version counter, or a
+            torch.autograd.graph.increment_version(dest)  # later trust_versions save would think it unchanged
         return memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
     return None

@@ -333,7 +333,8 @@ def drain_at_exit(repo: Saving) -> None:
         try:
             r.drain()
         except BaseException as exc:  # noqa: BLE001 - exiting: report, never swallow silently
-            sys.stderr.write(f"luopan: a background save failed at exit: {exc!r}\n")
+            notes = "".join(f"\n  {n}" for n in getattr(exc, "__notes__", ()))  # the other failed saves, if any
+            sys.stderr.write(f"luopan: a background save failed at exit: {exc!r}{notes}\n")
 
     register = getattr(threading, "_register_atexit", None)
     if register is not None:

@@ -10,7 +10,14 @@ and the commit fails the save (nothing is committed) rather than committing a ma
 What is relied on (checked by tests/test_dcp.py): DCP's default planner hands ``write_data`` the state dict's own
 tensor (``resolve_data`` returns ``state_dict[fqn]``, or a DTensor's local tensor, which shares its storage and version
 counter), not a copy; ``module.state_dict()`` returns ``detach()``-ed parameters, which share the parameters' version
-counters. A planner that hands copies (or ``dcp.async_save``, which stages copies) just gets no reuse.
+counters. A planner that hands copies just gets no reuse.
+
+Not relied on, refused instead: copies whose storage is refreshed in place. ``dcp.async_save`` stages the state into
+CPU copies, and a stager passed to several saves refreshes the same storages with storage-level copies that never move
+a version counter — every record would look unchanged while the values changed. So reuse happens only when the write
+runs on the main thread (``async_save`` writes from a background thread) and the storage is neither pinned nor shared
+(the marks of DCP's staging buffers); and a reused chunk must still be in the repository's chunk index, which forgets
+the chunks ``verify`` found damaged.
 """
 
 from __future__ import annotations
@@ -42,6 +49,15 @@ def version_record(t: Any) -> tuple[Any, ...] | None:
             "cpu" if t.is_cpu else str(t.device), t.is_conj(), t.is_neg())
 
 
+def _staged(t: Any) -> bool:
+    """A tensor in pinned or shared memory: how DCP's staging buffers are made."""
+    try:
+        storage = t.untyped_storage()
+        return bool(storage.is_pinned() or storage.is_shared())
+    except (RuntimeError, AttributeError):
+        return True
+
+
 class Reuse:
     """One rank's write of one save: which items keep their previous entry, and the records it leaves."""
 
@@ -52,6 +68,8 @@ class Reuse:
             self.seen = dict(_RECORDS.get(self.key, {}))
         self.records: dict[str, tuple[tuple[Any, ...], dict[str, Any] | None]] = {}
         self.checker: PackChecker | None = None
+        self.known: dict[str, Any] | None = None
+        self.enabled = threading.current_thread() is threading.main_thread()  # not an async_save's writer thread
 
     def previous(self, path: str, t: Any) -> dict[str, Any] | None:
         """The entry to reuse for item ``path`` holding tensor ``t`` (a copy), or None: read and store it. Records
@@ -59,6 +77,8 @@ class Reuse:
         rec = version_record(t)
         if rec is None:
             return None
+        if not self.enabled or _staged(t):
+            return None  # records are not kept either: a staged copy's record must never be compared
         self.records[path] = (rec, None)
         old = self.seen.get(path)
         if old is None or not same_version(old[0], rec) or not self._chunks_there(old[1]):
@@ -69,7 +89,13 @@ class Reuse:
     def _chunks_there(self, entry: dict[str, Any]) -> bool:
         if self.checker is None:
             self.checker = PackChecker(self.repo.store, self.repo._intact_packs)
-        return all(self.checker.reusable(BlobLocation(r[1], r[2], r[3], r[4], r[5])) for r in entry["chunks"])
+            self.known = self.repo.chunk_index()
+        known = self.known or {}
+        for r in entry["chunks"]:
+            where = BlobLocation(r[1], r[2], r[3], r[4], r[5])
+            if known.get(r[0]) != where or not self.checker.reusable(where):
+                return False
+        return True
 
     def stored(self, path: str, entry: dict[str, Any]) -> None:
         """The entry ``store_entries`` just stored for ``path``."""

@@ -219,7 +219,7 @@ class Reader(StorageReader):
             self._manifest = m
         return self._manifest
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:  # no rank=: every rank must take part in the plan exchange (step check)
         m = self._load_manifest()
         where = f"run {self.run!r} step {m.step}"
         metadata, self._storage = decode_metadata(m.doc["dcp"], where)
@@ -233,13 +233,15 @@ class Reader(StorageReader):
         # The step this rank read (with step=None, each rank resolves "latest" itself): checked on the coordinator.
         if plan.storage_data is not None and not isinstance(plan.storage_data, dict):
             return plan  # a storage_data this reader did not make: leave it alone
-        return dataclasses.replace(plan, storage_data={**(plan.storage_data or {}),
-                                                       "luopan_step": self._load_manifest().step})
+        m = self._load_manifest()  # the step and its commit time: an overwrite of the same step differs too
+        return dataclasses.replace(plan, storage_data={**(plan.storage_data or {}), "luopan_step": m.step,
+                                                       "luopan_created": m.created})
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        steps = sorted({p.storage_data.get("luopan_step") for p in plans if isinstance(p.storage_data, dict)},
-                       key=str)
-        if len(steps) > 1:  # a save committed between two ranks' reads of "latest": never load a mix of steps
+        read = {(p.storage_data.get("luopan_step"), p.storage_data.get("luopan_created")) for p in plans
+                 if isinstance(p.storage_data, dict) and "luopan_step" in p.storage_data}
+        steps = sorted({step for step, _created in read}, key=str)
+        if len(read) > 1:  # a save committed between two ranks' reads of "latest": never load a mix of steps
             raise UsageError(f"the ranks loading run {self.run!r} found different latest checkpoints (steps "
                              f"{', '.join(map(str, steps))}: one was committed while they read); nothing was loaded "
                              "— pass step= to luopan.dcp.Reader")
