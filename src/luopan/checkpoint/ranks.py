@@ -67,6 +67,9 @@ def ranks_member(world: int, per_rank: list[str],
     return out
 
 
+MAX_OVERLAP_CHECKS = 10_000_000
+
+
 def cover_problem(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
     """Why ``boxes`` ((offsets, sizes) each) do not tile a tensor of shape ``size`` exactly, or None when they do:
     each inside it, none overlapping, together holding every element."""
@@ -83,8 +86,13 @@ def cover_problem(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tupl
     d = max(range(len(size)), key=lambda k: len({o[k] for o, _s in full}))
     full.sort(key=lambda b: b[0][d])
     open_: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    budget = MAX_OVERLAP_CHECKS  # a hostile layout (every box open at once) must not stall a reader for hours
     for o, s in full:
         open_ = [(a, n) for a, n in open_ if a[d] + n[d] > o[d]]
+        budget -= len(open_)
+        if budget < 0:
+            return (f"its {len(full)} shards overlap along every dimension too much to check (more than "
+                    f"{MAX_OVERLAP_CHECKS} comparisons); luopan writes no such layout")
         for a, n in open_:
             if all(x < y + m and y < x + k for x, k, y, m in zip(a, n, o, s)):
                 return f"the shards at offsets {list(a)} and {list(o)} overlap"
