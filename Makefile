@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # CPU build of PyTorch, pinned: a bare "torch" requirement pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup system-deps demo test test-slow bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,16 @@ setup: $(BIN)/python
 demo: setup
 	$(BIN)/python examples/demo.py
 
-test: setup
+# System packages the tests need: nginx (real HTTP Range downloads of update channels). Installed with apt when
+# missing and running as root (CI); otherwise a note, and those tests say why they skip.
+system-deps:
+	@if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; \
+	  else echo "note: nginx is missing (apt-get install nginx-light): the update-channel tests will skip"; fi; \
+	fi
+
+test: setup system-deps
 	$(BIN)/python -m pytest -q
 
 test-slow: setup
