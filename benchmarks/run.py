@@ -6,6 +6,7 @@
     python benchmarks/run.py --suite tiers [--size-mib 1024] [--quick] [--json OUT]         (T1, T2)
     python benchmarks/run.py --suite artifacts [--size-mib 1024] [--quick] [--json OUT]     (A1, A2, A3)
     python benchmarks/run.py --suite dist [--size-mib 1024] [--quick] [--json OUT]          (D1, D2, D3)
+    python benchmarks/run.py --suite patch [--size-mib 1024] [--quick] [--json OUT]         (P9, P10, P11, P12)
 
 Runs in one process, alternating peer and luopan measurements, and prints medians and ratios. Exits 0 whether or
 not the goals are met (the table and the JSON say which are missed); exits non-zero only when it cannot run.
@@ -28,9 +29,11 @@ except ImportError:  # running from a checkout without an installed luopan
     sys.path.insert(1, os.path.join(os.path.dirname(HERE), "src"))
 
 import artifacts  # noqa: E402
+import channel  # noqa: E402
 import dist  # noqa: E402
 import foundation  # noqa: E402
 import incremental  # noqa: E402
+import patch  # noqa: E402
 import tiers  # noqa: E402
 
 QUICK_SIZE_MIB = 256
@@ -39,7 +42,7 @@ DEFAULT_SIZE_MIB = 1024
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts", "dist"], default="foundation")
+    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts", "dist", "patch"], default="foundation")
     ap.add_argument("--size-mib", type=int, default=None,
                     help=f"state size in MiB (default {DEFAULT_SIZE_MIB}; {QUICK_SIZE_MIB} with --quick)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE_MIB} MiB state, fewer cold repetitions")
@@ -47,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cold-reps", type=int, default=None,
                     help="cold-cache load repetitions, 0 to skip (default 3; 2 with --quick). Needs root to drop "
                          "the page cache; skipped otherwise")
-    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocess probes (P7)")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocess probes (P7, P12)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--workdir", metavar="DIR",
                     help="parent directory for temporary data (default: the system temp dir); a fresh "
@@ -181,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
             if argv is None else " ".join(argv)
         log("done")
         dist.print_report(report)
+        _write_json(args.json, report)
+        return 0
+    if args.suite == "patch":
+        report = patch.run_patch(args.size_mib, args.reps, args.workdir, log, not args.no_rss)
+        report["results"] += channel.run(args.quick, args.workdir, log,  # P11: a resumed pull over a real nginx
+                                         min(args.size_mib, 64 if args.quick else 256))
+        report["command"] = " ".join([os.path.basename(sys.executable), "benchmarks/run.py", *sys.argv[1:]]) \
+            if argv is None else " ".join(argv)
+        log("done")
+        patch.print_report(report)
         _write_json(args.json, report)
         return 0
     if args.suite == "tiers":

@@ -169,7 +169,38 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return lambda d: parse_condemned(sealed(d))
     if heading.startswith("### 10.5"):
         return check_ranks_member
+    if heading.startswith("### 13.2"):
+        return check_patch_header
+    if heading.startswith(("## 15.", "### 15.")):
+        from luopan.channel.index import parse_index as parse_channel_index
+        from luopan.channel.state import parse_state
+
+        if doc.get("format") == "luopan-channel-index":  # canonical JSON, as the parser requires
+            return lambda d: parse_channel_index(canonical(d), "index.json")
+        if doc.get("format") == "luopan-channel-state":
+            return lambda d: parse_state(sealed(d))
     return None
+
+
+def check_patch_header(doc: dict[str, Any]) -> None:
+    """The §13.2 header through the patch reader, with its target fingerprint recomputed over the expanded hashes,
+    then as a whole patch file (prefix, header, a body of the declared length) through the container reader."""
+    import tempfile
+
+    from luopan.patch.container import open_patch, prefix_bytes
+    from luopan.patch.fingerprint import content_fingerprint
+    from luopan.patch.header import parse_header
+
+    doc["target"]["fingerprint"] = content_fingerprint(
+        doc["chunk_size"], ((t["name"], t["dtype"], t["shape"], [h for h, _s in t["chunks"]]) for t in doc["tensors"]))
+    header = canonical(doc)
+    got = parse_header(header, "update.lpatch")
+    assert [t.name for t in got.tensors] == [t["name"] for t in doc["tensors"]] and len(got.blobs) == 2
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(prefix_bytes(header, b"") + header + bytes(doc["body_bytes"]))
+        f.flush()
+        with open_patch(f.name) as pf:
+            assert parse_header(pf.header_bytes, pf.path).body_bytes == doc["body_bytes"] and pf.signature is None
 
 
 def check_ranks_member(doc: dict[str, Any]) -> None:
@@ -192,7 +223,8 @@ SAMPLES = samples()
 def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
     for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2", "### 9.3",
-                    "### 10.2", "### 10.3", "### 10.5"):
+                    "### 10.2", "### 10.3", "### 10.5", "### 13.2",
+                    "### 15.2", "### 15.4"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval
     assert sum(h.startswith("### 10.2") for h in headings) == 4  # tier config, pending, replicated, cold

@@ -20,11 +20,19 @@ from .errors import (
     ArtifactNotFoundError,
     BaseMismatchError,
     CheckpointExistsError,
+    ChannelDownloadError,
+    ChannelExpiredError,
+    ChannelRollbackError,
+    ChannelStateError,
+    CorruptChannelIndexError,
+    CorruptDownloadError,
     CheckpointNotFoundError,
     CollectiveError,
     ConfigConflictError,
     CorruptManifestError,
     CorruptPackError,
+    CorruptPatchError,
+    CorruptSafetensorsError,
     CorruptRepoError,
     GcError,
     InsufficientSpaceError,
@@ -61,12 +69,17 @@ from .errors import (
 __version__ = "0.1.0"
 
 
+# Modules reached as luopan.<name> on first use (each imports optional or heavy packages: torch, peft, transformers).
+_LAZY = ("torch", "patch", "channel", "signing", "peft", "hf", "dcp", "lightning")
+
+
 def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
-    """``luopan.torch`` on first use: importing luopan must not import torch, nor require it to be installed."""
-    if name == "torch":
+    """``luopan.torch`` (and the other _LAZY modules) on first use: importing luopan must not import torch, nor
+    require it to be installed."""
+    if name in _LAZY:
         import importlib
 
-        return importlib.import_module(".torch", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'luopan' has no attribute {name!r}")
 
 
@@ -77,6 +90,12 @@ __all__ = [
     "BaseMismatchError",
     "ArgumentTypeError",
     "CheckpointExistsError",
+    "ChannelDownloadError",
+    "ChannelExpiredError",
+    "ChannelRollbackError",
+    "ChannelStateError",
+    "CorruptChannelIndexError",
+    "CorruptDownloadError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "ColdPolicy",
@@ -84,6 +103,8 @@ __all__ = [
     "ConfigConflictError",
     "CorruptManifestError",
     "CorruptPackError",
+    "CorruptPatchError",
+    "CorruptSafetensorsError",
     "CorruptRepoError",
     "DeltaPolicy",
     "GcError",

@@ -84,7 +84,12 @@ class LayoutMismatchError(StateMismatchError):
 
 
 class BaseMismatchError(StateMismatchError):
-    """An adapter (or patch) meets a base model whose content fingerprint is not the one it was made for."""
+    """An adapter (or patch) meets a base model whose content fingerprint is not the one it was made for. The message
+    names both; ``expected`` (what it was made for) and ``actual`` (the base given) carry them when known. Nothing
+    was written."""
+
+    expected: str | None = None
+    actual: str | None = None
 
 
 class UnsupportedFormatError(LuopanError, RuntimeError):
@@ -178,6 +183,16 @@ class UnsignedError(SignatureError):
     """Something unsigned where trusted keys are given, so a signature by one of them is required."""
 
 
+class CorruptPatchError(IntegrityError):
+    """A patch file (docs/format.md §13) is not one, is truncated or damaged, breaks a limit, or holds a chunk that
+    does not match its hash. Nothing was written; an existing output file is untouched."""
+
+
+class CorruptSafetensorsError(IntegrityError):
+    """A safetensors file luopan reads (a patch's base) is not a valid one: its header is damaged, oversized, or
+    describes tensors outside the file. Nothing was written."""
+
+
 class LockedError(LuopanError, TimeoutError):
     """The repository is locked (by a prune/gc, or by saves when we want the exclusive lock) for longer than we were
     willing to wait. The message names the holders and how to remove a stale lock."""
@@ -190,3 +205,36 @@ class CollectiveError(LuopanError, RuntimeError):
 
 class GcError(LuopanError, RuntimeError):
     """Garbage collection cannot run safely (e.g. a damaged manifest: gc cannot tell what that checkpoint needs)."""
+
+
+class CorruptChannelIndexError(IntegrityError):
+    """An update channel's ``index.json`` (docs/format.md §15) is not one: larger than its limit, not canonical JSON,
+    nested too deeply, a member given twice, of the wrong type or range, or naming an unsafe file. It was refused
+    before anything was downloaded or written."""
+
+
+class ChannelRollbackError(IntegrityError):
+    """A channel index older than the newest this device has seen (its state file), or one of another channel: a
+    replayed or substituted index (TUF's rollback rule). Nothing was written."""
+
+
+class ChannelExpiredError(IntegrityError):
+    """A channel index past its expiry time: the channel is frozen or the index replayed (TUF's freeze rule). The
+    publisher must publish again (publishing the same step renews the expiry). Nothing was written."""
+
+
+class ChannelStateError(IntegrityError):
+    """A device's channel state file (``--state``) is damaged, is not one, or cannot be written."""
+
+
+class CorruptDownloadError(IntegrityError):
+    """A downloaded file does not match the size or BLAKE3 that the signed channel index gives it. The partial file
+    was deleted: a rerun downloads it again."""
+
+
+class ChannelDownloadError(LuopanError, ConnectionError):
+    """A channel file could not be fetched (the server is unreachable, the connection was cut, a file is missing).
+    The bytes downloaded so far are kept next to the output: the same pull run again downloads only the rest.
+    ``missing`` is true when the server answered that the file does not exist (the channel changed meanwhile)."""
+
+    missing: bool = False

@@ -8,7 +8,8 @@ or ``LUOPAN_REPO``. Exit codes: luopan.cli.app.EXIT_CODES.
 
 from __future__ import annotations
 
-from . import inspect, read, maintain, artifact, tier, plan, keys  # noqa: F401,I001  (each registers its commands on app, in --help order)
+from . import inspect, read, maintain, artifact, tier, plan, keys, channel  # noqa: F401,I001  (each registers its commands on app, in --help order)
+from . import patch  # noqa: F401,I001  (luopan patch create|apply)
 from .app import app
 
 

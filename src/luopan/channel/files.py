@@ -1,0 +1,130 @@
+"""Local files of a channel and of a device: small files replaced atomically (a temporary file in the same
+directory, fsync, rename, fsync of the directory), moving a finished file into place, and the channel's publish
+lock. Failures are luopan errors naming the file (StorageFullError on a full disk, OutputPathError otherwise)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import blake3
+
+from ..errors import LockedError, LuopanError, OutputPathError, StorageFullError
+
+LOCK_NAME = ".publish.lock"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data``: readers see the old file or the new one, never a part; durable on return."""
+    where = os.fspath(path)
+    tmp = f"{where}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, where)
+        fsync_dir(os.path.dirname(os.path.abspath(where)))
+    except BaseException as exc:
+        _unlink(tmp)
+        raise write_error(exc, where) from None
+
+
+def copy_atomic(src: str, dst: str) -> None:
+    """Replace ``dst`` with a copy of the file ``src`` (a temporary file beside ``dst``, fsync, rename, fsync of the
+    directory): ``dst`` is the old file or the whole copy, never a part."""
+    tmp = f"{dst}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(src, "rb") as f_in:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                size, done = os.fstat(f_in.fileno()).st_size, 0
+                while done < size:
+                    n = os.sendfile(fd, f_in.fileno(), done, min(size - done, 1 << 30))
+                    if n == 0:
+                        raise OSError(errno.EIO, f"{src} shrank while it was copied")
+                    done += n
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, dst)
+        fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    except BaseException as exc:
+        _unlink(tmp)
+        raise write_error(exc, dst) from None
+
+
+def move_into_place(src: str, dst: str) -> None:
+    """Rename the finished (fsynced) file ``src`` to ``dst`` in the same directory, durably."""
+    try:
+        os.replace(src, dst)
+        fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    except OSError as exc:
+        raise write_error(exc, dst) from None
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_blake3(path: str) -> tuple[int, str]:
+    """(size, BLAKE3 hex) of a file, hashed on every core."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update_mmap(path)
+    return os.path.getsize(path), h.hexdigest()
+
+
+def write_error(exc: BaseException, path: str) -> BaseException:
+    """A luopan error for a failure writing ``path`` (other exceptions pass through)."""
+    if isinstance(exc, LuopanError) or not isinstance(exc, OSError):
+        return exc
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFullError(exc.errno, f"no space left while writing {path}")
+    return OutputPathError(exc.errno or errno.EIO, f"cannot write {path}: {exc.strerror or exc}")
+
+
+@contextmanager
+def publish_lock(channel_dir: str) -> Iterator[None]:
+    """Hold the channel's publish lock (an flock on ``.publish.lock``): one publish at a time per channel, so two
+    never both write version N + 1. LockedError at once when another publish holds it."""
+    path = os.path.join(channel_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise write_error(exc, path) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LockedError(f"another `luopan publish` is writing the channel {channel_dir} (it holds {path}); "
+                              "wait for it to finish") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

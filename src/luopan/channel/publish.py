@@ -1,0 +1,337 @@
+"""``luopan.channel.publish``: add a checkpoint to a static update channel (docs/format.md §15).
+
+A channel is a directory any web server can serve as it is:
+
+    index.json                                    signed index, written last
+    full/00000003-1a2b3c4d5e6f7a8b.safetensors    the full file of each listed version (``repo.export``)
+    patches/00000001-00000003-9c8d….lpatch        a patch from each of the last ``keep`` versions to the newest
+
+Write order (§15.5): the current index must verify against the signing key (or a key given as trusted, to move
+the channel to a new key), and every file the new index keeps from it must still have its listed size and BLAKE3 —
+publish never signs what it did not check. The new full file and patches are written in a scratch directory beside
+the channel (not served; ``.tmp/`` inside it, mode 0700, when the parent cannot hold it), fsynced and renamed into
+place; the index naming them is written after, atomically; only then are files that neither the new index nor the
+one it replaced names deleted — a file leaves one publish after its last index, so a device that read the previous
+index keeps its download. A reader never sees an index naming a missing file (except one deleted by a *later*
+publish, which a pull meets as "missing" and answers by reading the index again). Publishing content equal to the
+newest version's only renews the index (a new index version and expiry, the same files).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    SignatureError,
+    UnsignedError,
+    UntrustedKeyError,
+    UsageError,
+)
+from ..format.names import check_run, check_step, is_run_name
+from ..patch import create, fingerprint_file
+from ..repo import Repo
+from ..repo import open as open_repo
+from ..signing import SigningKey, TrustedKeys, load_signing_key
+from ..units import parse_duration
+from .files import file_blake3, fsync_dir, fsync_file, move_into_place, publish_lock, write_atomic
+from .index import (
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    MAX_INDEX_VERSION,
+    ChannelIndex,
+    ChannelVersion,
+    FileRef,
+    PatchRef,
+    encode_index,
+    format_time,
+    parse_index,
+)
+
+MAX_KEEP = 100
+TMP_DIR = ".tmp"
+
+
+def publish(
+    repo: Any,
+    run: str,
+    step: int | None,
+    channel_dir: str | os.PathLike[str],
+    *,
+    sign_key: SigningKey | str | os.PathLike[str],
+    keep: int = 5,
+    expires: str | float = "30d",
+    subtree: str | None = None,
+    name: str | None = None,
+    trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None,
+    min_version: int | None = None,
+    progress: Callable[[str], Any] | None = None,
+) -> dict[str, Any]:
+    """Publish checkpoint ``step`` of ``run`` (the latest when None; its tensors under ``subtree``, e.g.
+    ``"model"``) as the newest version of the channel in ``channel_dir`` (created when missing).
+
+    Writes the version's full safetensors file, a patch (luopan.patch.create) from each of the last ``keep``
+    listed versions to it, and a new index signed with ``sign_key`` (a SigningKey or ``.key`` file) whose version
+    is the previous index's + 1 and which expires ``expires`` from now (a duration such as ``"30d"``, or seconds).
+    The channel's name (``name``, default the directory's name), chunk size (the repository's) and subtree are
+    fixed by its first publish; a later publish that differs is refused (UsageError). One publish at a time
+    (LockedError). ``progress(message)`` is told each step.
+
+    The channel's current index must be signed by ``sign_key`` or by a key in ``trusted_keys`` (a directory of
+    ``*.pub`` or a TrustedKeys: the old key, when moving a channel to a new one); else UnsignedError,
+    UntrustedKeyError or SignatureError, and nothing is written. A file it names that the new index keeps must have
+    its listed size and BLAKE3 (IntegrityError). ``min_version``: the new index's version is at least this — to
+    start a channel whose index was lost above every version devices have seen; a channel directory that holds
+    published files but no index is refused without it (UsageError).
+
+    Returns a summary: channel, name, index_version, version, refreshed, expires, full, patches, removed.
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 0 <= keep <= MAX_KEEP:
+        raise UsageError(f"keep is {keep!r}: give how many earlier versions get a patch, 0 to {MAX_KEEP}")
+    lifetime = parse_duration(expires) if isinstance(expires, str) else float(expires)
+    if not 1 <= lifetime <= 10 * 365 * 86400:
+        raise UsageError(f"expires {expires!r}: an index must expire between 1 s and 10 years after it is published")
+    if min_version is not None and (not isinstance(min_version, int) or isinstance(min_version, bool)
+                                    or not 1 <= min_version <= MAX_INDEX_VERSION):
+        raise UsageError(f"min_version is {min_version!r}: give an index version from 1 to {MAX_INDEX_VERSION}")
+    key = sign_key if isinstance(sign_key, SigningKey) else load_signing_key(sign_key)
+    trusted = trusted_keys if isinstance(trusted_keys, TrustedKeys) or trusted_keys is None else \
+        TrustedKeys.load(trusted_keys)
+    check_run(run)
+    r = repo if isinstance(repo, Repo) else open_repo(repo, create=False, replicate=False)
+    step = r.manifest(run, None if step is None else check_step(step)).step
+    say = progress or (lambda _msg: None)
+    root = os.fspath(channel_dir)
+    try:
+        for d in ("full", "patches"):
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the channel directory {root}: {exc.strerror or exc}") from None
+    with publish_lock(root):
+        prev = _previous(root, key, trusted, min_version)
+        chunk_size = r.config.chunk_size
+        channel = _settle(prev, name, os.path.basename(os.path.abspath(root)), chunk_size, subtree)
+        version = max((prev.version if prev else 0) + 1, min_version or 1)
+        if version > MAX_INDEX_VERSION:
+            raise UsageError(f"the channel {root} has used every index version: start a new channel")
+        tmp = scratch_dir(root)
+        _clear(tmp)
+        say(f"exporting {run} step {step}" + (f" ({subtree})" if subtree else ""))
+        full_tmp = os.path.join(tmp, "full.safetensors")
+        r.export(run, full_tmp, step, subtree=subtree)
+        fingerprint = fingerprint_file(full_tmp, chunk_size)
+        if prev is not None and prev.latest.fingerprint == fingerprint:
+            say(f"{run} step {step} is the newest version's content: renewing the index only")
+            kept = list(prev.files())
+            listed = prev.latest.full
+            if file_blake3(full_tmp) == (listed.size, listed.blake3):  # the very bytes: put them in place again
+                fsync_file(full_tmp)
+                move_into_place(full_tmp, os.path.join(root, *listed.name.split("/")))
+                kept.remove(listed)
+            _check_files(root, kept, say)
+            new, versions, patches = prev.latest, prev.versions, prev.patches
+        else:
+            # devices on a version with the new content are up to date already: no patch from it
+            sources = [v for v in (prev.versions if prev else ()) if v.fingerprint != fingerprint]
+            sources = sources[-keep:] if keep else []
+            _check_files(root, [v.full for v in sources], say)
+            new = ChannelVersion(version, run, step, fingerprint, _place(full_tmp, root, "full",
+                                                                         f"{version:08d}", ".safetensors"))
+            patches = tuple(_patch(r, root, tmp, v, new, subtree, key, say) for v in sources)
+            versions = (*sources, new)
+        now = time.time()  # after the work: the index is valid for `expires` from when devices can see it
+        index = ChannelIndex(channel, version, format_time(now), format_time(now + lifetime), chunk_size, subtree,
+                             versions, patches, None)
+        data = encode_index(index, key)
+        say(f"writing {INDEX_NAME} (version {version}, expires {index.expires})")
+        write_atomic(os.path.join(root, INDEX_NAME), data)  # last: every file it names is in place and durable
+        removed = _remove_unlisted(root, index, prev)
+        _clear(tmp)
+    return {
+        "channel": root, "name": channel, "index_version": version, "version": new.version,
+        "refreshed": new.version != version, "expires": index.expires,
+        "full": {"name": new.full.name, "size": new.full.size, "blake3": new.full.blake3},
+        "patches": [{"from": p.source, "to": p.target, "name": p.file.name, "size": p.file.size} for p in patches],
+        "removed": removed,
+    }
+
+
+def scratch_dir(root: str) -> str:
+    """The publisher's scratch directory for the channel ``root`` (created, mode 0700): ``.<name>.publish-tmp``
+    beside it, so nothing unfinished or unpublished is ever under the served directory; ``<root>/.tmp`` when the
+    parent is not writable or is another file system (a rename must move files into place)."""
+    real = os.path.realpath(root)
+    parent, base = os.path.split(real)
+    if base:
+        cand = os.path.join(parent, f".{base}.publish-tmp")
+        try:
+            os.makedirs(cand, mode=0o700, exist_ok=True)
+            st = os.lstat(cand)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_dev == os.stat(real).st_dev:
+                return cand
+            if stat.S_ISDIR(st.st_mode):
+                os.rmdir(cand)
+        except OSError:
+            pass
+    cand = os.path.join(real, TMP_DIR)
+    try:
+        os.makedirs(cand, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the scratch directory {cand}: {exc.strerror or exc}") from None
+    return cand
+
+
+def _previous(root: str, key: SigningKey, trusted: TrustedKeys | None, min_version: int | None
+              ) -> ChannelIndex | None:
+    """The channel's current index, its signature checked against ``key`` and ``trusted``; None for a new channel
+    (UsageError when the channel has published files but lost its index, unless ``min_version`` is given)."""
+    path = os.path.join(root, INDEX_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_INDEX_BYTES + 1)
+    except FileNotFoundError:
+        _check_no_leftovers(root, min_version)
+        return None
+    prev = parse_index(data, path)
+    keys = {key.key_id: key.private.public_key(), **(trusted.keys if trusted is not None else {})}
+    source = "the signing key" + (f" and the trusted keys in {trusted.source}" if trusted is not None else "")
+    try:
+        TrustedKeys(keys, source).verify(prev.signed_bytes(), prev.signature, f"the channel's current index {path}")
+    except SignatureError as exc:
+        way = ("to move the channel to a new signing key, pass the public key that signed it as trusted "
+               "(--trusted-keys DIR)" if isinstance(exc, UntrustedKeyError) else
+               "luopan publish never writes an unsigned index: it was replaced" if isinstance(exc, UnsignedError)
+               else "it was changed after it was signed")
+        raise type(exc)(f"{exc}. publish signs a new index only over a current one it can verify: {way}. Else "
+                        f"restore the channel's signed {INDEX_NAME}, or move it away and publish with --min-version "
+                        "above every index version devices have seen. Nothing was written") from None
+    return prev
+
+
+def _check_no_leftovers(root: str, min_version: int | None) -> None:
+    """UsageError when a channel without an index holds published files (and no ``min_version`` says where to go
+    on): its index version counter was lost with the index, and a new count from 1 would be refused by every
+    device that saw the old one (or worse, accepted by none and replayed later)."""
+    leftovers = sorted(f"{d}/{n}" for d in ("full", "patches") for n in os.listdir(os.path.join(root, d)))
+    if not leftovers or min_version is not None:
+        return
+    seen = [int(m.group(1)) for n in leftovers if (m := re.search(r"(\d{8})-[0-9a-f]{16}\.", n))]
+    hint = f" (more than {max(seen)}, the newest version named by these files)" if seen else ""
+    raise UsageError(
+        f"the channel {root} has no {INDEX_NAME}, but it has published files ({', '.join(leftovers[:3])}"
+        f"{', …' if len(leftovers) > 3 else ''}): its index was lost, and with it the index version devices compare "
+        f"against. Restore {INDEX_NAME} from a backup; or publish with --min-version N (min_version=N), N above "
+        f"every index version devices have seen{hint}: the files no new index names are then deleted")
+
+
+def _check_files(root: str, refs: list[FileRef], say: Callable[[str], Any]) -> None:
+    """IntegrityError unless each of ``refs`` (files the current index names, kept by the new one) is in the channel
+    as a regular file of its listed size and BLAKE3: the new index is signed only over files that were checked."""
+    for ref in refs:
+        path = os.path.join(root, *ref.name.split("/"))
+        say(f"checking {ref.name}")
+        try:
+            st = os.lstat(path)
+            problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                       f"is {st.st_size} bytes, not the {ref.size} listed" if st.st_size != ref.size else
+                       "does not have the BLAKE3 listed" if file_blake3(path)[1] != ref.blake3 else None)
+        except FileNotFoundError:
+            problem = "is missing"
+        if problem is not None:
+            raise IntegrityError(
+                f"the channel's file {path}, named by its current index, {problem} (changed or damaged "
+                "since it was published): publish signs no index naming it. Restore it; or move the channel's index.json away "
+                "and publish with --min-version above every index version devices have seen. Nothing was written")
+
+
+def _settle(prev: ChannelIndex | None, name: str | None, default: str, chunk_size: int, subtree: str | None) -> str:
+    """The channel's name; UsageError when this publish does not match what the channel was made with."""
+    if prev is None:
+        channel = name or default
+        if not is_run_name(channel):
+            raise UsageError(f"the channel name {channel[:80]!r} is not valid: use 1-128 ASCII letters, digits, "
+                             "'.', '_', '-', starting with a letter or digit" + ("" if name else " (pass --name)"))
+        return channel
+    if name is not None and name != prev.channel:
+        raise UsageError(f"this channel is named {prev.channel!r}, not {name!r}: a channel keeps its name")
+    if chunk_size != prev.chunk_size:
+        raise UsageError(f"the channel's content fingerprints use chunk size {prev.chunk_size}, the repository "
+                         f"{chunk_size}: publish from a repository with chunk size {prev.chunk_size}, or start a new "
+                         "channel")
+    if subtree != prev.subtree:
+        raise UsageError(f"the channel publishes {_what(prev.subtree)}, not {_what(subtree)}: pass "
+                         + (f"--subtree {prev.subtree}" if prev.subtree else "no --subtree"))
+    return prev.channel
+
+
+def _what(subtree: str | None) -> str:
+    return f"subtree {subtree!r}" if subtree else "whole checkpoints"
+
+
+def _patch(r: Repo, root: str, scratch: str, base: ChannelVersion, new: ChannelVersion, subtree: str | None,
+           key: SigningKey, say: Callable[[str], Any]) -> PatchRef:
+    """A patch from ``base`` to ``new``: from the base checkpoint when the repository still holds it with the same
+    content (no byte of it read), else from the channel's full file of ``base``."""
+    tmp = os.path.join(scratch, "patch.lpatch")
+    say(f"making the patch from version {base.version} to {new.version}")
+    made = None
+    if base.run == new.run:
+        try:
+            made = create(r, new.run, base.step, new.step, tmp, subtree=subtree, sign_key=key)
+        except CheckpointNotFoundError:
+            made = None
+        if made is not None and made["base_fingerprint"] != base.fingerprint:
+            made = None  # the step was deleted and saved again: not what devices on that version have
+    if made is None:
+        made = create(r, new.run, None, new.step, tmp, subtree=subtree, sign_key=key,
+                      from_file=os.path.join(root, *base.full.name.split("/")))
+    if made["base_fingerprint"] != base.fingerprint or made["target_fingerprint"] != new.fingerprint:
+        raise RuntimeError(f"luopan bug: the patch {base.version}->{new.version} has fingerprints "
+                           f"{made['base_fingerprint']} -> {made['target_fingerprint']}, the channel "
+                           f"{base.fingerprint} -> {new.fingerprint}")
+    ref = _place(tmp, root, "patches", f"{base.version:08d}-{new.version:08d}", ".lpatch")
+    return PatchRef(base.version, new.version, ref)
+
+
+def _place(tmp: str, root: str, folder: str, stem: str, suffix: str) -> FileRef:
+    """Move the finished file ``tmp`` to ``folder/<stem>-<16 hex of its BLAKE3><suffix>``, durably."""
+    size, digest = file_blake3(tmp)
+    name = f"{folder}/{stem}-{digest[:16]}{suffix}"
+    fsync_file(tmp)
+    move_into_place(tmp, os.path.join(root, folder, name.split("/", 1)[1]))
+    return FileRef(name, size, digest)
+
+
+def _remove_unlisted(root: str, index: ChannelIndex, prev: ChannelIndex | None) -> list[str]:
+    """Delete the files under full/ and patches/ that neither ``index`` (in place now) nor ``prev``, the index it
+    replaced, names: a device that read ``prev`` just before can still download what it names."""
+    listed = {f.name for f in index.files()} | ({f.name for f in prev.files()} if prev is not None else set())
+    removed = []
+    for folder in ("full", "patches"):
+        d = os.path.join(root, folder)
+        for entry in sorted(os.listdir(d)):
+            if f"{folder}/{entry}" not in listed:
+                path = os.path.join(d, entry)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    os.unlink(path)
+                    removed.append(f"{folder}/{entry}")
+        if removed:
+            fsync_dir(d)
+    return removed
+
+
+def _clear(tmp: str) -> None:
+    """Empty the scratch directory (leftovers of a publish that was interrupted)."""
+    for entry in os.listdir(tmp):
+        path = os.path.join(tmp, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)

@@ -1,0 +1,113 @@
+"""``luopan patch create|apply``: ship the change between two checkpoints as one signed file (docs/format.md §13),
+and apply it on a device that has only the base as a safetensors file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ..errors import UsageError
+from ..patch import apply, create
+from .app import JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, open_repo, out, repo_location
+
+
+@contextmanager
+def bar(what: str, total: int | None) -> Iterator[tuple[Callable[[int], Any], Callable[[int], Any]]]:
+    """A transfer bar on stderr while the work lasts: (advance by n bytes, set the total)."""
+    with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task(what, total=total)
+        yield (lambda n: progress.advance(task, n)), (lambda n: progress.update(task, total=n))
+
+patch_app = typer.Typer(help="Portable patches: the change between two checkpoints as one signed file, applied to a "
+                             "safetensors base without a repository.", no_args_is_help=True)
+app.add_typer(patch_app, name="patch")
+
+
+@patch_app.command("create")
+@handles_errors
+def create_cmd(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    from_step: Annotated[Optional[int], typer.Option("--from", help="Step of the base: the checkpoint the device "
+                                                     "already has (or give --from-file).")] = None,
+    to_step: Annotated[int, typer.Option("--to", help="Step of the target: what the device will have.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Patch file to write, e.g. update.lpatch.")],
+    subtree: Annotated[Optional[str], typer.Option(help="Only the tensors under this key path (e.g. model), named "
+                                                   "as `luopan export --subtree` names them.")] = None,
+    sign: Annotated[Optional[str], typer.Option("--sign", help="Private key file (luopan key gen) to sign the "
+                                                "patch with.")] = None,
+    from_file: Annotated[Optional[str], typer.Option("--from-file", help="The base is this safetensors file, not a "
+                                                     "checkpoint: its unchanged tensors are not carried.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a patch from checkpoint --from (or the safetensors file --from-file) to checkpoint --to of RUN: the
+    target's tensor list, both content fingerprints and only the chunks the base lacks, compressed. Apply it with
+    `luopan patch apply`."""
+    r = open_repo(repo_location(repo))
+    total = None if subtree else r.manifest(run, to_step).stats["logical_bytes"]
+    with bar("creating", total) as (advance, _total):
+        info = create(r, run, from_step, to_step, output, subtree=subtree, sign_key=sign, from_file=from_file,
+                      progress=advance)
+    if as_json:
+        emit_json(info)
+        return
+    out.print(f"wrote {info['path']} ({human(info['bytes'])}): {info['tensors']} tensors, "
+              f"{info['carried_chunks']} of {info['chunks']} chunks carried ({human(info['carried_bytes'])} raw, "
+              f"{info['changed_tensors']} tensors changed); "
+              + (f"signed by {info['signed_by']}" if info["signed_by"] else "unsigned"), highlight=False)
+    out.print(f"base fingerprint   {info['base_fingerprint']}\ntarget fingerprint {info['target_fingerprint']}",
+              highlight=False)
+
+
+@patch_app.command("apply")
+@handles_errors
+def apply_cmd(
+    *,
+    patch: Annotated[str, typer.Argument(help="Patch file (luopan patch create).")],
+    base: Annotated[str, typer.Option("--base", help="The base the patch was made for, as a safetensors file.")],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="safetensors file to write (appears "
+                                                  "atomically; an existing one is replaced only on success).")] = None,
+    repo: RepoOpt = None,
+    run: Annotated[Optional[str], typer.Option("--run", help="With -r: the run to commit to (the patch's target run "
+                                               "by default).")] = None,
+    step: Annotated[Optional[int], typer.Option("--step", help="With -r: the step to commit (the patch's target step "
+                                                "by default).")] = None,
+    trusted_keys: Annotated[Optional[str], typer.Option("--trusted-keys", help="Directory of trusted public keys "
+                                                        "(*.pub): the patch must be signed by one of them. Default: "
+                                                        "$LUOPAN_TRUSTED_KEYS.")] = None,
+    require_signature: Annotated[Optional[bool], typer.Option(
+        "--require-signature/--allow-unsigned",
+        help="Refuse an unsigned patch (needs trusted keys) / accept one even with trusted keys. Default: required "
+             "exactly when trusted keys are given.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Apply a patch to the base it was made for and write the target as a safetensors file (-o), or commit it as a
+    checkpoint (-r REPO) — no repository is needed for -o. The signature, the header and the base's content
+    fingerprint are checked before anything is written; every chunk is verified; memory stays small whatever the
+    model's size."""
+    if output is not None and repo is not None:
+        raise UsageError("give -o FILE (write a safetensors file) or -r REPO (commit a checkpoint), not both")
+    target: dict[str, Any] = {"out_path": output} if output is not None else {"repo": open_repo(repo_location(repo))}
+    with bar("applying", None) as (advance, set_total):
+        info = apply(patch, base, trusted_keys=trusted_keys, require_signature=require_signature, run=run, step=step,
+                     progress=advance, on_total=set_total, **target)
+    if as_json:
+        emit_json(info)
+        return
+    where = info["path"] if "path" in info else f"{info['run']} step {info['step']}"
+    out.print(f"wrote {where}: {info['tensors']} tensors, {human(info['bytes'])} "
+              f"({human(info['bytes_from_base'])} from the base, {human(info['bytes_from_patch'])} from the patch), "
+              f"every chunk verified; target fingerprint {info['target_fingerprint']}", highlight=False)
+    if info["signed_by"]:
+        out.print(f"signed by trusted key {info['signed_by']}", highlight=False)
+    elif info["signed"]:
+        err.print("[yellow]note:[/] the patch is signed, but no trusted keys were given (--trusted-keys DIR or "
+                  "$LUOPAN_TRUSTED_KEYS), so its signature was not checked", highlight=False)
+    else:
+        err.print("[yellow]note:[/] the patch is not signed", highlight=False)

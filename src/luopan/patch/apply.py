@@ -1,0 +1,95 @@
+"""``luopan.patch.apply``: a patch and the base it was made for make the target, as a safetensors file (no
+repository needed) or as a checkpoint of a repository (docs/format.md §13.4).
+
+The output file is streamed: each worker holds one chunk at a time, read from the base or the patch, verified, and
+written at its place in a temporary file that is renamed over the output only once everything is written and synced.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..checkpoint.export import check_output_path
+from ..errors import UsageError
+from ..repo import Repo
+from ..repo import open as open_repo
+from ..signing import TrustedKeys
+from .basefile import scratch
+from .commit import commit
+from .files import AtomicOutput
+from .prepare import Chunk, Prepared, prepare
+from .stfile import header_bytes
+
+
+def apply(
+    patch_path: str | os.PathLike[str],
+    base_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str] | None = None,
+    *,
+    trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None,
+    require_signature: bool | None = None,
+    repo: Any = None,
+    run: str | None = None,
+    step: int | None = None,
+    progress: Callable[[int], Any] | None = None,
+    on_total: Callable[[int], Any] | None = None,
+) -> dict[str, Any]:
+    """Apply the patch at ``patch_path`` to the safetensors file ``base_path`` and write the target to ``out_path``
+    (a safetensors file, the same bytes ``luopan export`` writes for the target); or, with ``repo`` (a luopan.Repo
+    or location) instead of ``out_path``, commit it as checkpoint ``step`` of ``run`` (the patch's target run and
+    step by default).
+
+    Before anything is written: the signature is checked when ``trusted_keys`` (a directory, a TrustedKeys, or
+    $LUOPAN_TRUSTED_KEYS) are given or ``require_signature`` is true (UnsignedError, UntrustedKeyError,
+    SignatureError); the header is checked (CorruptPatchError, UnsupportedFormatError); the base's content
+    fingerprint must be the patch's (BaseMismatchError naming both). Every chunk is verified as it is written, the
+    output appears atomically, and an existing output file is untouched by any failure. Memory stays within a
+    fixed budget plus one chunk, whatever the model's size. ``require_signature=False`` accepts an unsigned patch
+    even when trusted keys are set. ``progress(n)`` gets bytes hashed and written; ``on_total(n)`` their total.
+
+    Returns path (or run and step), bytes, tensors, chunks, bytes_from_base, bytes_from_patch, base_fingerprint,
+    target_fingerprint, signed (whether it carries a signature), signed_by (the trusted key that signed it; None when
+    no signature was checked).
+    """
+    if (out_path is None) == (repo is None):
+        raise UsageError("give exactly one destination: an output file (-o FILE) or a repository (-r REPO)")
+    if (run is not None or step is not None) and repo is None:
+        raise UsageError("run and step name a checkpoint to commit: they need a repository (-r REPO)")
+    if out_path is not None:
+        check_output_path(out_path)  # an output that cannot be written is refused before the base is read
+    else:
+        repo = repo if isinstance(repo, Repo) else open_repo(repo, create=False, replicate=False)
+    with prepare(patch_path, base_path, trusted_keys=trusted_keys, require_signature=require_signature,
+                 progress=progress, on_total=on_total) as prep:
+        target_bytes = prep.header.target["bytes"]
+        if repo is not None:
+            done = commit(prep, repo, run, step, progress)
+        else:
+            done = {"path": os.fspath(out_path), "bytes": _write(prep, out_path, progress)}
+        from_patch = sum(c.size for c in prep.chunks if c.blob is not None)
+        return {**done, "tensors": len(prep.header.tensors), "chunks": len(prep.chunks),
+                "bytes_from_base": target_bytes - from_patch, "bytes_from_patch": from_patch,
+                "base_fingerprint": prep.base.fingerprint, "target_fingerprint": prep.header.target["fingerprint"],
+                "signed": prep.patch.signature is not None, "signed_by": prep.signed_by}
+
+
+def _write(prep: Prepared, out_path: str | os.PathLike[str], progress: Callable[[int], Any] | None) -> int:
+    head = header_bytes(prep.header.metadata, [(t.name, t.dtype, t.shape, t.nbytes) for t in prep.header.tensors])
+    total = len(head) + prep.header.target["bytes"]
+    with AtomicOutput(out_path, total) as out:
+        out.write(head, 0)
+        out.written(0, len(head))
+
+        def one(c: Chunk) -> None:
+            buf = scratch(c.size)
+            prep.read(c, buf)
+            out.write(buf, len(head) + c.offset)
+            out.written(len(head) + c.offset, c.size)
+            if progress is not None:
+                progress(c.size)
+
+        prep.each(one)
+    return total
+
