@@ -6,6 +6,10 @@
     trusted = luopan.signing.TrustedKeys.load("trusted/")  # every *.pub in the directory (or LUOPAN_TRUSTED_KEYS)
     trusted.verify(data, sig, "patch update.lpatch")       # the key id, or SignatureError / UntrustedKeyError
 
+For the OpenSSF ``model_signing`` tool, which accepts only elliptic-curve keys, ``generate_key(dir, kind="ecdsa-p256")``
+makes a P-256 pair and ``sign_for_model_signing(path, key)`` writes ``<path>.sig`` (luopan.interop). Such a key is for
+that interop only: luopan's own signatures stay Ed25519.
+
 A key id is ``ed25519:`` and the first 32 hex digits of the BLAKE3 of the raw 32-byte public key, so the same key
 has the same id wherever its file lies and whatever it is called. A trusted-keys directory is an allowlist: a
 signature verifies only with a key found there.
@@ -23,6 +27,7 @@ from typing import Any
 import blake3
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .errors import (
@@ -38,6 +43,7 @@ ALG = "ed25519"
 ENV_TRUSTED = "LUOPAN_TRUSTED_KEYS"
 MAX_KEY_FILE = 16 << 10  # a PEM Ed25519 key is < 200 bytes: anything this large is not one
 MAX_TRUSTED = 1024
+KEY_KINDS = ("ed25519", "ecdsa-p256")  # ecdsa-p256: for model_signing interop only (luopan.interop)
 
 
 def key_id(public: Ed25519PublicKey) -> str:
@@ -67,13 +73,17 @@ class SigningKey:
         return {"alg": ALG, "key_id": self.key_id, "sig": base64.b64encode(self.private.sign(data)).decode()}
 
 
-def generate_key(directory: str | os.PathLike[str], name: str = "luopan") -> tuple[Path, Path]:
+def generate_key(directory: str | os.PathLike[str], name: str = "luopan", kind: str = "ed25519") -> tuple[Path, Path]:
     """A new key pair in ``directory``: ``<name>.key`` (PKCS#8 PEM, mode 0600, never overwritten) and ``<name>.pub``
-    (the public key to hand out). Returns (private path, public path)."""
+    (SubjectPublicKeyInfo PEM, the public key to hand out). Returns (private path, public path). ``kind`` is
+    "ed25519" (luopan's signatures) or "ecdsa-p256" (``export --sign`` for the OpenSSF model_signing tool only)."""
+    if kind not in KEY_KINDS:
+        raise UsageError(f"unknown key type {kind!r}: use one of {', '.join(KEY_KINDS)}")
     if not name or "/" in name or name.startswith(".") or len(name) > 100 or "\x00" in name:
         raise InvalidNameError(f"invalid key name {name!r}: use letters, digits, '-', '_' (e.g. 'release')")
     out = Path(directory)
-    private = Ed25519PrivateKey.generate()
+    private: Ed25519PrivateKey | ec.EllipticCurvePrivateKey = (
+        Ed25519PrivateKey.generate() if kind == "ed25519" else ec.generate_private_key(ec.SECP256R1()))
     pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     pub = private.public_key().public_bytes(serialization.Encoding.PEM,
@@ -109,9 +119,21 @@ def load_signing_key(path: str | os.PathLike[str]) -> SigningKey:
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{p} is not an unencrypted PEM private key ({exc}); make one with `luopan key gen`") \
             from None
+    if isinstance(private, ec.EllipticCurvePrivateKey):
+        raise UsageError(f"{p} is an elliptic-curve ({private.curve.name}) key: EC keys are for model_signing interop "
+                         "only (luopan export --sign); luopan's own signatures need an Ed25519 key (`luopan key gen`)")
     if not isinstance(private, Ed25519PrivateKey):
         raise UsageError(f"{p} is a {type(private).__name__}, not an Ed25519 key; make one with `luopan key gen`")
     return SigningKey(private, key_id(private.public_key()), str(p))
+
+
+def sign_for_model_signing(path: str | os.PathLike[str], key_path: str | os.PathLike[str],
+                           signature_path: str | os.PathLike[str] | None = None) -> str:
+    """Sign a file or directory for the OpenSSF model_signing tool with an EC private key; the signature's path
+    (``<path>.sig`` by default). See luopan.interop.sign_for_model_signing."""
+    from .interop import sign_for_model_signing as sign
+
+    return sign(path, key_path, signature_path)
 
 
 def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
@@ -122,7 +144,9 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{p} is not a PEM public key ({exc})") from None
     if not isinstance(public, Ed25519PublicKey):
-        raise UsageError(f"{p} is a {type(public).__name__}, not an Ed25519 public key")
+        raise UsageError(f"{p} is a {type(public).__name__}, not an Ed25519 public key"
+                         + (" (EC keys are for model_signing interop only)"
+                            if isinstance(public, ec.EllipticCurvePublicKey) else ""))
     return public
 
 

@@ -1,4 +1,5 @@
-"""``luopan key gen`` and ``luopan sign``: Ed25519 keys and signed checkpoints (docs/format.md §14)."""
+"""``luopan key gen`` and ``luopan sign``: Ed25519 keys and signed checkpoints (docs/format.md §14); ECDSA P-256 keys
+for ``luopan export --sign`` (the OpenSSF model_signing tool, luopan.interop)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import typer
 from ..signing import generate_key
 from .app import RepoOpt, app, handles_errors, open_repo, out, repo_location
 
-key_app = typer.Typer(help="Ed25519 signing keys for checkpoints and patches.", no_args_is_help=True)
+key_app = typer.Typer(help="Signing keys: Ed25519 for checkpoints and patches, ECDSA P-256 for model_signing.",
+                      no_args_is_help=True)
 app.add_typer(key_app, name="key")
 
 
@@ -18,13 +20,21 @@ app.add_typer(key_app, name="key")
 def gen(
     output: Annotated[str, typer.Option("--output", "-o", help="Directory to write NAME.key and NAME.pub into.")],
     name: Annotated[str, typer.Option(help="File name of the key pair.")] = "luopan",
+    kind: Annotated[str, typer.Option("--type", help="ed25519 (luopan sign, patches, indexes) or ecdsa-p256 (only "
+                                      "for `luopan export --sign`: the OpenSSF model_signing tool accepts only "
+                                      "EC keys).")] = "ed25519",
 ) -> None:
-    """Make a new Ed25519 key pair: NAME.key (private, mode 0600: keep it secret, sign with it) and NAME.pub (give it
-    to whoever checks signatures: put it in their --trusted-keys directory). An existing key is never overwritten."""
-    private, public = generate_key(output, name)
-    from ..signing import load_signing_key
+    """Make a new key pair: NAME.key (private, mode 0600: keep it secret, sign with it) and NAME.pub (give it to whoever
+    checks signatures: put it in their --trusted-keys directory, or pass it to `model_signing verify key
+    --public_key`). An existing key is never overwritten."""
+    private, public = generate_key(output, name, kind)
+    if kind == "ed25519":
+        from ..signing import load_signing_key
 
-    out.print(f"wrote {private} (private) and {public} (public); key id {load_signing_key(private).key_id}")
+        out.print(f"wrote {private} (private) and {public} (public); key id {load_signing_key(private).key_id}")
+    else:
+        out.print(f"wrote {private} (private) and {public} (public), an ECDSA P-256 pair for model_signing "
+                  f"interop only: `luopan export ... --sign {private}`")
 
 
 @app.command()

@@ -73,17 +73,27 @@ def export(
                                           "luopan.hf): write a directory PeftModel.from_pretrained loads "
                                           "(adapter_model.safetensors + adapter_config.json) at --output, ./adapter by "
                                           "default.")] = False,
+    sign: Annotated[Optional[str], typer.Option(
+        "--sign", help="EC private key (luopan key gen --type ecdsa-p256): also write OUTPUT.sig, a signature the "
+                       "OpenSSF model_signing tool verifies offline: model_signing verify key OUTPUT --signature "
+                       "OUTPUT.sig --public_key KEY.pub. Needs pip install \"luopan[interop]\".")] = None,
 ) -> None:
     """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file; with --adapter, a PEFT
-    adapter directory."""
+    adapter directory. With --sign KEY, also sign what was written for the model_signing tool (OUTPUT.sig)."""
     repo = repo_location(repo)
     r = open_repo(repo)
+    if sign is not None:  # before the export: a wrong key or a missing package fails fast, nothing written
+        from ..interop import check_key, require_model_signing
+
+        check_key(sign)
+        require_model_signing()
     if adapter:
         from ..peft import export_adapter  # imports torch: only for adapters
 
         done = export_adapter(r, run, "adapter" if output == "model.safetensors" else output, step)
         out.print(f"wrote adapter of {run} ({done['tensors']} tensors, {human(done['bytes'])}) to {done['path']}; "
                   f"base fingerprint {done['base_fingerprint']}")
+        _sign_export(done["path"], sign)
         return
     m = r.manifest(run, step)
     with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -91,3 +101,15 @@ def export(
         task = bar.add_task("export", total=m.stats["logical_bytes"])
         info = r.export(run, output, m.step, subtree=subtree, progress=lambda n: bar.advance(task, n))
     out.print(f"wrote {info['tensors']} tensors ({human(info['bytes'])}) of {run} step {m.step} to {info['path']}")
+    _sign_export(info["path"], sign)
+
+
+def _sign_export(path: str, key: Optional[str]) -> None:
+    if key is None:
+        return
+    from ..interop import sign_for_model_signing
+
+    sig = sign_for_model_signing(path, key)
+    pub = key[:-4] + ".pub" if key.endswith(".key") else "KEY.pub"
+    out.print(f"signed for model_signing: {sig}; verify with: model_signing verify key {path} --signature {sig} "
+              f"--public_key {pub}", markup=False, highlight=False, soft_wrap=True)
