@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tracemalloc
 
 import numpy as np
@@ -18,6 +19,7 @@ import luopan.patch
 from luopan.cli.main import app
 from luopan.patch import files as patch_files
 from luopan.patch.container import PREFIX
+from luopan.repository import parallel
 from luopan.signing import generate_key
 
 CHUNK = 64 * 1024
@@ -270,7 +272,7 @@ def test_memory_stays_bounded_whatever_the_model_size(tmp_path, monkeypatch):
     assert (tmp_path / "out.st").read_bytes() == (tmp_path / "target.st").read_bytes()
     assert max(reads) <= CHUNK and len(reads) >= 2 * 24 * 1024 * 1024 // CHUNK - 64
     assert peak < 2 * 1024 * 1024, peak  # a 24 MiB model: buffers of a few chunks, never the model
-    assert patch_files.workers_for(CHUNK) == 2 and patch_files.workers_for(1 << 30) == 1
+    assert patch_files.workers_for(CHUNK) == min(parallel.WORKERS, 4) and patch_files.workers_for(1 << 30) == 1
     repo.close()
 
 
@@ -298,6 +300,14 @@ def test_apply_into_a_repository_commits_a_checkpoint(made, tmp_path):
     assert set(got) == set(made.m2) and all(torch.equal(got[k], made.m2[k]) for k in made.m2)
     again = luopan.patch.apply(made.patch, made.base, repo=other, run="copy", step=7)
     assert again["new_bytes"] == 0  # everything already in the repository
+    assert isinstance(patch_files.available_memory(), int) and patch_files.available_memory() > 0
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(patch_files, "available_memory", lambda: 1000)  # -r holds the whole target: refused up front
+    try:
+        with pytest.raises(luopan.UsageError, match="holds its whole target in memory.*-o FILE"):
+            luopan.patch.apply(made.patch, made.path("no-such-base.st"), repo=other, run="big", step=1)
+    finally:
+        monkey.undo()
     other.export("copy", tmp_path / "exported.st", 7, subtree="model")
     assert luopan.patch.fingerprint_file(tmp_path / "exported.st", CHUNK) == made.info["target_fingerprint"]
     with pytest.raises(luopan.CheckpointExistsError):
@@ -362,6 +372,57 @@ def test_cli_create_and_apply(made, keys):
     assert r.exit_code == 2 and "not both" in r.output
     r = cli("patch", "apply", made.base, "--base", made.base, "-o", out)
     assert r.exit_code == 3 and "not a luopan patch" in r.output
+    size = os.path.getsize(out)
+    r = cli("patch", "apply", p, "--base", made.base, "-o", out, "--max-output", str(size - 1))
+    assert r.exit_code == 2 and "over the limit" in r.output
+    r = cli("patch", "apply", p, "--base", made.base, "-o", out, "--max-output", str(size),
+            "--expect-target", info["target_fingerprint"])
+    assert r.exit_code == 0, r.output
+    r = cli("patch", "apply", p, "--base", made.base, "-o", out, "--expect-target", info["base_fingerprint"])
+    assert r.exit_code != 0 and "not the expected" in r.output
+
+
+def test_read_header_says_what_a_patch_makes_before_it_is_applied(made, keys):
+    h = luopan.patch.read_header(made.patch)
+    assert (h["base_fingerprint"], h["target_fingerprint"]) == (made.info["base_fingerprint"],
+                                                              made.info["target_fingerprint"])
+    assert (h["chunk_size"], h["target_tensors"], h["run"], h["step"], h["subtree"]) == (CHUNK, len(made.m2), "a", 2,
+                                                                                        "model")
+    assert h["target_bytes"] == sum(v.numel() * v.element_size() for v in made.m2.values())
+    assert h["patch_bytes"] == os.path.getsize(made.patch) and (h["signed"], h["signed_by"]) == (False, None)
+    signed = made.path("signed.lpatch")
+    info = luopan.patch.create(made.repo, "a", 1, 2, signed, subtree="model", sign_key=keys["key"])
+    assert luopan.patch.read_header(signed, trusted_keys=keys["trusted"])["signed_by"] == info["signed_by"]
+    assert luopan.patch.read_header(signed)["signed"] and luopan.patch.read_header(signed)["signed_by"] is None
+    with pytest.raises(luopan.UnsignedError):
+        luopan.patch.read_header(made.patch, trusted_keys=keys["trusted"])
+    with pytest.raises(luopan.UntrustedKeyError):
+        luopan.patch.read_header(signed, trusted_keys=keys["only_other"])
+
+
+def test_expect_target_and_max_output_are_refused_before_the_base_is_read(made):
+    out = made.path("new.safetensors")
+    missing = made.path("no-such-base.st")  # never opened: each refusal comes first
+    with pytest.raises(luopan.StateMismatchError, match="not the expected") as caught:
+        luopan.patch.apply(made.patch, missing, out, expect_target=made.info["base_fingerprint"])
+    assert (caught.value.expected, caught.value.actual) == (made.info["base_fingerprint"],
+                                                             made.info["target_fingerprint"])
+    size = len(made.target_bytes())
+    with pytest.raises(luopan.UsageError, match="over the limit"):
+        luopan.patch.apply(made.patch, missing, out, max_output_bytes=size - 1)
+    with pytest.raises(luopan.UsageError, match="needs out_path"):
+        luopan.patch.apply(made.patch, missing, repo=made.repo, max_output_bytes=size)
+    assert not os.path.exists(out) and leftovers(made.root) == []
+    done = luopan.patch.apply(made.patch, made.base, out, expect_target=made.info["target_fingerprint"],
+                              max_output_bytes=size)
+    assert done["bytes"] == size and open(out, "rb").read() == made.target_bytes()
+
+
+def test_create_refuses_a_header_readers_would_refuse(made, monkeypatch):
+    monkeypatch.setattr(sys.modules["luopan.patch.create"], "MAX_HEADER_BYTES", 100)
+    with pytest.raises(luopan.UsageError, match="over the 100-byte limit readers enforce"):
+        luopan.patch.create(made.repo, "a", 1, 2, made.path("big.lpatch"), subtree="model")
+    assert not os.path.exists(made.path("big.lpatch")) and leftovers(made.root) == []
 
 
 def test_prefix_layout(made):

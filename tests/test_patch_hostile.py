@@ -134,12 +134,38 @@ HEADER_DAMAGE = [
     (lambda d: d.pop("created"), "missing"),
     (_set(["format"], "something-else"), "format is"),
     (_set(["format_version"], True), "format_version"),
+    # whole-number floats equal their ints in Python: refused as members that must be JSON integers
+    (_set(["format_version"], 1.0), "format_version"),
+    (lambda d: d["tensors"][0]["chunks"][0].__setitem__(1, float(d["tensors"][0]["chunks"][0][1])), "chunk 0"),
+    (lambda d: d.__setitem__("body_bytes", float(d["body_bytes"])), "body_bytes"),
+    (lambda d: d["blobs"][1].__setitem__(1, float(d["blobs"][1][1])), "offset"),
+    (lambda d: d["blobs"][0].__setitem__(2, float(d["blobs"][0][2])), "impossible sizes"),
+    (lambda d: d["target"].__setitem__("bytes", float(d["target"]["bytes"])), "declares"),
+    (lambda d: d["target"].__setitem__("tensors", float(d["target"]["tensors"])), "declares"),
+    (lambda d: d["base"].__setitem__("bytes", float(d["base"]["bytes"])), "base is not"),
+    (_set(["chunk_size"], 4096.0), "chunk_size"),
+    (lambda d: d["tensors"][0].__setitem__("shape", [float(x) for x in d["tensors"][0]["shape"]]), "impossible shape"),
+]
+
+# lone surrogates: JSON can escape them, no UTF-8 file can hold them (the output's header could not be read back)
+SURROGATES = [
+    (_set(["metadata"], [["format", "pt\ud800"]]), "metadata"),
+    (_set(["metadata"], [["\udfff", "pt"]]), "metadata"),
+    (_set(["tensors", 0, "name"], "a\ud800"), "name"),
+    (_set(["base", "source"], "\ud800"), "base is not"),
 ]
 
 
 @pytest.mark.parametrize("mutate,match", HEADER_DAMAGE, ids=[m for _f, m in HEADER_DAMAGE])
 def test_damaged_or_hostile_headers_are_refused(small, mutate, match):
     small.refused(small.rebuild(mutate), luopan.CorruptPatchError, match)
+
+
+@pytest.mark.parametrize("mutate,match", SURROGATES, ids=[m for _f, m in SURROGATES])
+def test_lone_surrogates_are_refused(small, mutate, match):
+    header = json.dumps(small.header_doc(mutate, refingerprint=True), sort_keys=True, separators=(",", ":")).encode()
+    assert b"\\ud" in header or b"\\udfff" in header  # escaped: the JSON itself is valid ASCII
+    small.refused(small.rebuild(header=header), luopan.CorruptPatchError, match)
 
 
 def test_a_header_must_match_its_target_fingerprint(small):
@@ -167,7 +193,8 @@ def test_prefix_limits_are_checked_before_reading(small):
 
     small.refused(prefix(0xFFFF_FFFF, 0), luopan.CorruptPatchError, "over the limit")
     small.refused(prefix(small.hlen, 5000), luopan.CorruptPatchError, "over the limit")
-    small.refused(prefix(15 << 20, 0), luopan.CorruptPatchError, "truncated")
+    small.refused(prefix((8 << 20) + 1, 0), luopan.CorruptPatchError, "over the limit")
+    small.refused(prefix(8 << 20, 0), luopan.CorruptPatchError, "truncated")
     small.refused(prefix(small.hlen, 0, reserved=7), luopan.CorruptPatchError, "reserved")
     small.refused(prefix(small.hlen, 0, magic=b"NOTPATCH"), luopan.CorruptPatchError, "not a luopan patch")
     small.refused(b"", luopan.CorruptPatchError, "not a luopan patch")
@@ -229,6 +256,111 @@ def test_a_patch_cannot_make_a_base_cost_unbounded_bookkeeping(small, monkeypatc
     small.refused(small.data, luopan.CorruptPatchError, "at most 3 are hashed")
 
 
+def _frame(data: bytes, window_log: int) -> bytes:
+    """A zstd frame of ``data`` edited by hand to declare a window of 2**window_log (no content size, so no
+    single-segment frame: the window descriptor is what a decoder sizes its buffer by)."""
+    frame = bytearray(zstandard.ZstdCompressor(level=3, write_content_size=False).compress(data))
+    assert frame[4] == 0  # frame header descriptor: no content size, not single-segment, no checksum, no dictionary
+    frame[5] = (window_log - 10) << 3  # window descriptor: exponent only
+    return bytes(frame)
+
+
+def test_zstd_windows_are_capped_at_8_mib_whatever_the_chunk_size(small):
+    from luopan.patch.prepare import MAX_WINDOW, WINDOW_LOG
+
+    packed = next(b for b in small.header["blobs"] if b[4] == "zstd")
+    raw = zstandard.ZstdDecompressor().decompress(small.body[packed[1] : packed[1] + packed[2]])
+
+    def swap(frame: bytes) -> bytes:
+        def fix(doc: dict[str, Any]) -> None:
+            at = [b[0] for b in doc["blobs"]].index(packed[0])
+            doc["blobs"][at][2] = len(frame)
+            for b in doc["blobs"][at + 1 :]:
+                b[1] += len(frame) - packed[2]
+            doc["body_bytes"] += len(frame) - packed[2]
+        return small.rebuild(fix, body=small.body[: packed[1]] + frame + small.body[packed[1] + packed[2] :])
+
+    path = os.path.join(small.root, "window.lpatch")
+    with open(path, "wb") as f:
+        f.write(swap(_frame(raw, 23)))  # a conforming frame needing 8 MiB: decodes, even for a 4 KiB chunk
+    out = os.path.join(small.root, "window.st")
+    luopan.patch.apply(path, small.base, out)
+    assert open(out, "rb").read() == open(small.target, "rb").read()
+    os.unlink(out)
+    small.refused(swap(_frame(raw, 24)), luopan.CorruptPatchError, "does not decompress")
+    # what create writes (level 3, window 2**21) and what earlier patches hold (level 3's default) both fit
+    assert MAX_WINDOW == 8 << 20 and WINDOW_LOG <= 23
+    big = bytes(range(256)) * (64 << 10)  # 16 MiB
+    for cctx in (zstandard.ZstdCompressor(level=3), zstandard.ZstdCompressor(
+            compression_params=zstandard.ZstdCompressionParameters.from_level(3, window_log=WINDOW_LOG))):
+        assert zstandard.get_frame_parameters(cctx.compress(big)).window_size <= MAX_WINDOW
+
+
+def test_a_base_chunk_of_another_size_is_refused_before_writing(small):
+    """A header naming a base chunk (by hash) with a size it does not have: CorruptPatchError, not a read of the
+    wrong length that looks like a base changing under the apply."""
+    from luopan.patch.basefile import hash_file
+
+    fd = os.open(small.base, os.O_RDONLY)
+    try:
+        based = hash_file(fd, small.base, 4096)
+    finally:
+        os.close(fd)
+    listed = {c[0] for t in small.header["tensors"] for c in t["chunks"]}
+    other = next(h for h, (_off, n) in based.where.items() if h not in listed and n == 4096)
+    c = next(t for t in small.header["tensors"] if t["name"] == "c")  # 20 bytes, taken from the base
+    assert c["chunks"][0][1] == 20 and c["chunks"][0][0] in based.where
+
+    def mutate(doc: dict[str, Any]) -> None:
+        next(t for t in doc["tensors"] if t["name"] == "c")["chunks"][0][0] = other
+
+    small.refused(small.rebuild(mutate), luopan.CorruptPatchError, "the base holds it as 4096 bytes")
+
+
+def test_a_patch_shrinking_while_its_header_is_read_is_refused(small, monkeypatch):
+    from luopan.patch import container
+
+    path = os.path.join(small.root, "shrinks.lpatch")
+    with open(path, "wb") as f:
+        f.write(small.data)
+    real = container.read_exact
+
+    def shrinking(fd: int, out: memoryview, offset: int) -> int:
+        os.truncate(path, PREFIX.size + 10)  # after the size was taken
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(container, "read_exact", shrinking)
+    with pytest.raises(luopan.CorruptPatchError, match="changed while it was read"):
+        luopan.patch.apply(path, small.base, small.out)
+    with open(path, "wb") as f:
+        f.write(small.data)
+    with pytest.raises(luopan.CorruptPatchError, match="changed while it was read"):
+        luopan.patch.read_header(path)
+
+
+def test_base_files_with_names_no_file_can_hold_are_refused(small, tmp_path):
+    base = open(small.base, "rb").read()
+    hlen = int.from_bytes(base[:8], "little")
+    doc = json.loads(base[8 : 8 + hlen])
+    data = base[8 + hlen :]
+    for key, mutate in [("name", lambda d: d.__setitem__("a\ud800", d.pop("a"))),
+                        ("__metadata__", lambda d: d.__setitem__("__metadata__", {"k": "v\udc00"}))]:
+        d = dict(doc)
+        mutate(d)
+        head = json.dumps(d).encode()  # escaped: valid JSON, a lone surrogate once parsed
+        bad = tmp_path / "surrogate.st"
+        bad.write_bytes(len(head).to_bytes(8, "little") + head + data)
+        small.refused(small.data, luopan.CorruptSafetensorsError, "lone surrogate", base=str(bad))
+        with pytest.raises(luopan.CorruptSafetensorsError, match="lone surrogate"):
+            luopan.patch.fingerprint_file(bad, 4096)
+    # a header over 16 MiB is refused before it is read (safetensors allows 100 MB: ~1 GB once parsed)
+    bad = tmp_path / "huge.st"
+    with open(bad, "wb") as f:
+        f.write(((16 << 20) + 1).to_bytes(8, "little") + b"{}")
+        f.truncate(17 << 20)  # sparse
+    small.refused(small.data, luopan.CorruptSafetensorsError, "over the 16777216-byte limit", base=str(bad))
+
+
 # -- fuzzing -------------------------------------------------------------------------------------------------------
 def _mutations() -> st.SearchStrategy[list[tuple[str, int, int]]]:
     op = st.tuples(st.sampled_from(["flip", "truncate", "insert", "zero"]), st.integers(0, 1 << 30),
@@ -275,7 +407,8 @@ def test_fuzz_byte_mutations_of_a_whole_patch(small, ops):
     assert [n for n in os.listdir(small.root) if ".tmp-" in n] == []
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8),
+_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8)
+                     | st.floats(allow_nan=False, allow_infinity=False),
                      lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
                      max_leaves=8)
 
@@ -292,14 +425,32 @@ def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), value=_json, refingerprint=st.booleans())
-def test_fuzz_structural_mutations_of_the_header(small, data, value, refingerprint):
-    """Any member replaced by any JSON value (the target fingerprint recomputed or not): a checked header or a
-    CorruptPatchError / UnsupportedFormatError, never another exception."""
+@given(data=st.data(), value=_json, as_float=st.booleans(), refingerprint=st.booleans())
+def test_fuzz_structural_mutations_of_the_header(small, data, value, as_float, refingerprint):
+    """Any member replaced by any JSON value, or an integer by the same number as a float (the target fingerprint
+    recomputed or not): a checked header or a CorruptPatchError / UnsupportedFormatError, never another exception.
+    A header that passes is applied too (few do): the target's bytes or a luopan error, never another exception."""
     paths = _paths(small.header)
     path = data.draw(st.sampled_from(paths))
-    header = small.header_doc(_set(list(path), value), refingerprint)
+    old: Any = small.header
+    for p in path:
+        old = old[p]
+    if as_float and type(old) is int:
+        value = float(old)
+    header = canonical(small.header_doc(_set(list(path), value), refingerprint))
     try:
-        parse_header(canonical(header), "fuzz.lpatch")
+        parse_header(header, "fuzz.lpatch")
     except (luopan.CorruptPatchError, luopan.UnsupportedFormatError):
-        pass
+        return
+    path = os.path.join(small.root, "fuzz-header.lpatch")
+    with open(path, "wb") as f:
+        f.write(small.rebuild(header=header))
+    out = os.path.join(small.root, "fuzz-header.st")
+    try:
+        luopan.patch.apply(path, small.base, out)
+    except LuopanError:
+        assert not os.path.exists(out)
+    else:
+        got, want = load_file(out), load_file(small.target)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        os.unlink(out)

@@ -33,7 +33,7 @@ from ..errors import (
     UsageError,
 )
 from ..format.names import is_run_name
-from ..patch import apply, fingerprint_file
+from ..patch import apply, fingerprint_file, read_header
 from ..signing import ENV_TRUSTED, TrustedKeys
 from ..units import format_bytes
 from .download import applied_path, download, open_partial, partial_path, remove_stale_partials
@@ -212,11 +212,14 @@ def _identify(index: ChannelIndex, state: DeviceState | None, path: str | None, 
 
 def _apply_checked(part: Any, base: str, out: str, trusted: TrustedKeys, latest: ChannelVersion, name: str,
                    progress: Progress | None) -> None:
-    """Apply the downloaded patch into a temporary file beside the output, check that it made the newest version,
-    and only then rename it onto the output (the output is untouched by any failure)."""
+    """Check (from its signed header) that the downloaded patch makes the newest version, apply it into a temporary
+    file beside the output, check the result again, and only then rename it onto the output (the output is
+    untouched by any failure)."""
     tmp = applied_path(part.path)
     try:
-        done = _apply(part.path, base, tmp, trusted, progress)
+        made = read_header(part.path, trusted_keys=trusted)["target_fingerprint"]  # before any work
+        done = _apply(part.path, base, tmp, trusted, progress) if made == latest.fingerprint else {
+            "target_fingerprint": made}
         if done["target_fingerprint"] != latest.fingerprint:
             part.remove()
             raise CorruptChannelIndexError(

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from ..errors import UsageError
 from ..patch import apply, create
+from ..units import parse_bytes
 from .app import JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, open_repo, out, repo_location
 
 
@@ -85,18 +86,28 @@ def apply_cmd(
         "--require-signature/--allow-unsigned",
         help="Refuse an unsigned patch (needs trusted keys) / accept one even with trusted keys. Default: required "
              "exactly when trusted keys are given.")] = None,
+    expect_target: Annotated[Optional[str], typer.Option("--expect-target", metavar="FP", help="Refuse the patch "
+                                                         "unless its target has this content fingerprint "
+                                                         "(blake3:…), before the base is read.")] = None,
+    max_output: Annotated[Optional[str], typer.Option("--max-output", metavar="SIZE", help="With -o: refuse a patch "
+                                                      "whose output file would be larger (e.g. 20GiB), before the "
+                                                      "base is read.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Apply a patch to the base it was made for and write the target as a safetensors file (-o), or commit it as a
     checkpoint (-r REPO) — no repository is needed for -o. The signature, the header and the base's content
-    fingerprint are checked before anything is written; every chunk is verified; memory stays small whatever the
-    model's size."""
+    fingerprint are checked before anything is written; every chunk is verified. With -o memory stays small whatever
+    the model's size; -r holds the whole target in memory (refused when it does not fit)."""
     if output is not None and repo is not None:
         raise UsageError("give -o FILE (write a safetensors file) or -r REPO (commit a checkpoint), not both")
+    if max_output is not None and output is None:
+        raise UsageError("--max-output limits the file -o writes: give -o FILE")
+    limit = parse_bytes(max_output) if max_output is not None else None
     target: dict[str, Any] = {"out_path": output} if output is not None else {"repo": open_repo(repo_location(repo))}
     with bar("applying", None) as (advance, set_total):
         info = apply(patch, base, trusted_keys=trusted_keys, require_signature=require_signature, run=run, step=step,
-                     progress=advance, on_total=set_total, **target)
+                     expect_target=expect_target, max_output_bytes=limit, progress=advance, on_total=set_total,
+                     **target)
     if as_json:
         emit_json(info)
         return

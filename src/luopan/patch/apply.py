@@ -17,8 +17,10 @@ from ..repo import Repo
 from ..repo import open as open_repo
 from ..signing import TrustedKeys
 from .basefile import scratch
-from .commit import commit
+from ..units import format_bytes
+from .commit import check_memory, commit
 from .files import AtomicOutput
+from .header import Header
 from .prepare import Chunk, Prepared, prepare
 from .stfile import header_bytes
 
@@ -33,6 +35,8 @@ def apply(
     repo: Any = None,
     run: str | None = None,
     step: int | None = None,
+    expect_target: str | None = None,
+    max_output_bytes: int | None = None,
     progress: Callable[[int], Any] | None = None,
     on_total: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
@@ -44,10 +48,15 @@ def apply(
     Before anything is written: the signature is checked when ``trusted_keys`` (a directory, a TrustedKeys, or
     $LUOPAN_TRUSTED_KEYS) are given or ``require_signature`` is true (UnsignedError, UntrustedKeyError,
     SignatureError); the header is checked (CorruptPatchError, UnsupportedFormatError); the base's content
-    fingerprint must be the patch's (BaseMismatchError naming both). Every chunk is verified as it is written, the
-    output appears atomically, and an existing output file is untouched by any failure. Memory stays within a
-    fixed budget plus one chunk, whatever the model's size. ``require_signature=False`` accepts an unsigned patch
-    even when trusted keys are set. ``progress(n)`` gets bytes hashed and written; ``on_total(n)`` their total.
+    fingerprint must be the patch's (BaseMismatchError naming both). With ``expect_target`` (a content fingerprint,
+    ``blake3:<hex>``) the patch's target must be that content (StateMismatchError, before the base is read). With
+    ``max_output_bytes`` an output file larger than that is refused (UsageError, before the base is read). Every
+    chunk is verified as it is written, the output appears atomically, and an existing output file is untouched by
+    any failure. Writing a file, memory stays within a fixed budget plus one chunk, whatever the model's size; with
+    ``repo`` the whole target is held in memory (it is committed with ``repo.save``), so a target larger than the
+    memory available is refused (UsageError) before anything is read or allocated. ``require_signature=False``
+    accepts an unsigned patch even when trusted keys are set. ``progress(n)`` gets bytes hashed and written;
+    ``on_total(n)`` their total.
 
     Returns path (or run and step), bytes, tensors, chunks, bytes_from_base, bytes_from_patch, base_fingerprint,
     target_fingerprint, signed (whether it carries a signature), signed_by (the trusted key that signed it; None when
@@ -57,12 +66,26 @@ def apply(
         raise UsageError("give exactly one destination: an output file (-o FILE) or a repository (-r REPO)")
     if (run is not None or step is not None) and repo is None:
         raise UsageError("run and step name a checkpoint to commit: they need a repository (-r REPO)")
+    if max_output_bytes is not None and (type(max_output_bytes) is not int or max_output_bytes < 1):
+        raise UsageError(f"max_output_bytes must be a positive int, got {max_output_bytes!r}")
+    if max_output_bytes is not None and out_path is None:
+        raise UsageError("max_output_bytes limits the output file: it needs out_path (-o FILE)")
     if out_path is not None:
         check_output_path(out_path)  # an output that cannot be written is refused before the base is read
     else:
         repo = repo if isinstance(repo, Repo) else open_repo(repo, create=False, replicate=False)
+
+    def check(header: Header) -> None:
+        if repo is not None:
+            check_memory(header)
+        elif max_output_bytes is not None:
+            size = _output_size(header)
+            if size > max_output_bytes:
+                raise UsageError(f"{os.fspath(patch_path)} makes a {format_bytes(size)} file ({size} bytes), over the "
+                                 f"limit of {format_bytes(max_output_bytes)}; nothing was written")
+
     with prepare(patch_path, base_path, trusted_keys=trusted_keys, require_signature=require_signature,
-                 progress=progress, on_total=on_total) as prep:
+                 expect_target=expect_target, check=check, progress=progress, on_total=on_total) as prep:
         target_bytes = prep.header.target["bytes"]
         if repo is not None:
             done = commit(prep, repo, run, step, progress)
@@ -75,8 +98,16 @@ def apply(
                 "signed": prep.patch.signature is not None, "signed_by": prep.signed_by}
 
 
+def _head(header: Header) -> bytes:
+    return header_bytes(header.metadata, [(t.name, t.dtype, t.shape, t.nbytes) for t in header.tensors])
+
+
+def _output_size(header: Header) -> int:
+    return len(_head(header)) + header.target["bytes"]
+
+
 def _write(prep: Prepared, out_path: str | os.PathLike[str], progress: Callable[[int], Any] | None) -> int:
-    head = header_bytes(prep.header.metadata, [(t.name, t.dtype, t.shape, t.nbytes) for t in prep.header.tensors])
+    head = _head(prep.header)
     total = len(head) + prep.header.target["bytes"]
     with AtomicOutput(out_path, total) as out:
         out.write(head, 0)

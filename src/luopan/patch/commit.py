@@ -8,11 +8,25 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import UnsupportedValueError
+from ..errors import UnsupportedValueError, UsageError
 from ..format.names import check_run, check_step
 from ..repo import Repo
 from ..tree import new_array
+from ..units import format_bytes
+from . import files
+from .header import Header
 from .prepare import Chunk, Prepared
+
+
+def check_memory(header: Header) -> None:
+    """UsageError when the target does not fit in the memory available now (``apply -r`` holds all of it): refused
+    before the base is read or anything is allocated. No check where the available memory cannot be read."""
+    need = header.target["bytes"]
+    avail = files.available_memory()
+    if avail is not None and need > avail:
+        raise UsageError(f"committing this patch into a repository holds its whole target in memory: "
+                         f"{format_bytes(need)}, and {format_bytes(avail)} is available; nothing was written. Write "
+                         "it to a safetensors file instead (-o FILE, memory stays small) and save that")
 
 
 def commit(prep: Prepared, r: Repo, run: str | None, step: int | None,

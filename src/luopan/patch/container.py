@@ -15,7 +15,10 @@ from .files import open_regular, read_exact
 MAGIC = b"LUOPANPT"
 CONTAINER_VERSION = 1
 PREFIX = struct.Struct("<8sIIII")  # magic, container version, header length, signature length, reserved (zero)
-MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per chunk: 160k chunks, 640 GB of tensors in 4 MiB chunks
+# ~80 bytes per chunk listed, ~100 more per chunk carried: 45k carried chunks (180 GB at 4 MiB chunks) or 100k
+# unchanged ones fit. Parsed JSON costs up to ~25x its bytes (a hostile header of empty lists), so ~200 MiB at most
+# before the header's checks reject it (docs/format.md §13.4).
+MAX_HEADER_BYTES = 8 << 20
 MAX_SIGNATURE_BYTES = 4096
 
 
@@ -67,7 +70,9 @@ def open_patch(path: str | os.PathLike[str]) -> PatchFile:
             raise CorruptPatchError(f"{where} is truncated: {size} bytes, its header and signature end at "
                                     f"{body_start}")
         buf = bytearray(hlen + slen)
-        read_exact(fd, memoryview(buf), PREFIX.size)
+        if read_exact(fd, memoryview(buf), PREFIX.size) != len(buf):
+            raise CorruptPatchError(f"{where}: the patch file changed while it was read (it is shorter than its "
+                                    "header and signature); nothing was written")
         header, sig = bytes(buf[:hlen]), bytes(buf[hlen:])
         return PatchFile(where, fd, size, header, parse_signature(sig, where) if slen else None, body_start)
     except BaseException:

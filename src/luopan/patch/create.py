@@ -24,10 +24,11 @@ from ..repo import open as open_repo
 from ..repository.chunkio import PackSizes
 from ..signing import SigningKey, load_signing_key
 from .basefile import hash_file
-from .container import PREFIX, prefix_bytes, signature_bytes
+from .container import MAX_HEADER_BYTES, PREFIX, prefix_bytes, signature_bytes
 from .fingerprint import content_fingerprint
 from .files import AtomicOutput, open_regular, read_exact
 from .header import Blob, TensorSpec, build_header
+from .prepare import WINDOW_LOG
 from .sources import StoredTensor, checkpoint_tensors, export_metadata, tensor_chunks
 
 ZSTD_LEVEL = 3  # blobs are compressed only when that saves bytes (trained fp32 weights shrink ~8% at level 3)
@@ -84,7 +85,9 @@ def create(
     blobs: list[Blob] = []
     carried: set[str] = set()
     changed = 0
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    # the window set explicitly (level 3's own): every frame decodes within the reader's MAX_WINDOW
+    cctx = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        ZSTD_LEVEL, window_log=WINDOW_LOG))
     with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out_path))) as body:
         offset = 0
         for t in targets:
@@ -114,6 +117,10 @@ def create(
                     "step": target_m.step, "tensors": len(specs)},
             metadata=export_metadata(target_m), subtree=prefix,
             created=datetime.now(timezone.utc).isoformat())
+        if len(header) > MAX_HEADER_BYTES:
+            raise UsageError(f"the patch's header would be {len(header)} bytes, over the {MAX_HEADER_BYTES}-byte "
+                             "limit readers enforce: too many chunks (a repository with a larger chunk_size, or a "
+                             "patch of a --subtree, lists fewer); nothing was written")
         sig = signature_bytes(key.sign(header) if key is not None else None)
         total = PREFIX.size + len(header) + len(sig) + offset
         with AtomicOutput(out_path, total) as out:

@@ -39,6 +39,21 @@ def read_exact(fd: int, out: memoryview, offset: int) -> int:
 
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation: MemAvailable of /proc/meminfo (Linux: free memory plus what
+    the page cache can give back), else the free pages os.sysconf counts; None when neither can be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
 
 class AtomicOutput:
     """``with AtomicOutput(path) as out: out.write(data, offset)`` writes a temporary file next to ``path`` and

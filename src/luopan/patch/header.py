@@ -106,11 +106,22 @@ def build_header(*, chunk_size: int, tensors: list[TensorSpec], blobs: list[Blob
 
 
 def _int(x: Any, lo: int, hi: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+    """A JSON integer from ``lo`` to ``hi``: never a bool, never a float (``4096.0 == 4096`` in Python, but a float
+    would reach arithmetic and file offsets that need an int)."""
+    return type(x) is int and lo <= x <= hi
+
+
+def has_surrogate(s: str) -> bool:
+    """Whether ``s`` holds a lone surrogate (JSON can escape one; UTF-8 cannot encode it, so no file can hold it)."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _text(x: Any, limit: int = MAX_TEXT) -> bool:
-    return isinstance(x, str) and len(x) <= limit
+    return isinstance(x, str) and len(x) <= limit and not has_surrogate(x)
 
 
 def parse_header(data: bytes, where: str) -> Header:
@@ -129,7 +140,7 @@ def parse_header(data: bytes, where: str) -> Header:
     if _int(version, FORMAT_VERSION + 1, 1 << 62):
         raise UnsupportedFormatError(f"{where} is patch format_version {version}; this luopan reads version "
                                      f"{FORMAT_VERSION}: upgrade luopan (pip install -U luopan)")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if not _int(version, FORMAT_VERSION, FORMAT_VERSION):
         raise bad(f"format_version {str(version)[:20]} is not {FORMAT_VERSION}")
     if set(doc) != MEMBERS:
         extra, missing = sorted(set(doc) - MEMBERS), sorted(MEMBERS - set(doc))
@@ -145,7 +156,7 @@ def parse_header(data: bytes, where: str) -> Header:
     metadata = _metadata(doc["metadata"], bad)
     tensors, sizes = _tensors(doc["tensors"], chunk_size, bad)
     blobs, body = _blobs(doc["blobs"], chunk_size, sizes, bad)
-    if doc["body_bytes"] != body or isinstance(doc["body_bytes"], bool):
+    if not _int(doc["body_bytes"], body, body):
         raise bad(f"body_bytes {str(doc['body_bytes'])[:20]} is not the sum of the blob lengths ({body})")
     base, target = doc["base"], doc["target"]
     total = sum(t.nbytes for t in tensors)
@@ -157,7 +168,7 @@ def parse_header(data: bytes, where: str) -> Header:
             or not _fingerprint(target["fingerprint"]) or not is_run_name(target["run"]) \
             or not _int(target["step"], 0, MAX_STEP):
         raise bad("target is not {bytes, fingerprint, run, step, tensors}")
-    if target["tensors"] != len(tensors) or target["bytes"] != total:
+    if not _int(target["tensors"], len(tensors), len(tensors)) or not _int(target["bytes"], total, total):
         raise bad(f"target declares {str(target['tensors'])[:20]} tensors of {str(target['bytes'])[:20]} bytes; "
                   f"the list holds {len(tensors)} of {total}")
     computed = content_fingerprint(chunk_size, ((t.name, t.dtype, t.shape, [h for h, _s in t.chunks])
@@ -173,7 +184,8 @@ def _metadata(raw: Any, bad: Any) -> dict[str, str] | None:
         return None
     if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 and _text(p[0], MAX_PATH_CHARS)
                                             and _text(p[1], MAX_PATH_CHARS) for p in raw):
-        raise bad("metadata is not a list of [string, string] pairs")
+        raise bad("metadata is not a list of [string, string] pairs (each at most 65536 characters, no lone "
+                  "surrogate)")
     out = dict(raw)
     if len(out) != len(raw):
         raise bad("metadata names a key twice")
@@ -217,8 +229,7 @@ def _tensors(raw: Any, chunk_size: int, bad: Any) -> tuple[list[TensorSpec], dic
                       f"it lists {len(chunks) if isinstance(chunks, list) else 'none'}")
         for k, c in enumerate(chunks):
             want = min(step, nbytes - k * step)
-            if not isinstance(c, list) or len(c) != 2 or not is_hex64(c[0]) or c[1] != want \
-                    or isinstance(c[1], bool):
+            if not isinstance(c, list) or len(c) != 2 or not is_hex64(c[0]) or not _int(c[1], want, want):
                 raise bad(f"tensor {name[:100]!r} chunk {k} is not [64-hex hash, {want}]")
             if sizes.setdefault(c[0], want) != want:
                 raise bad(f"chunk {c[0][:16]}… is listed with two sizes")
@@ -244,7 +255,7 @@ def _blobs(raw: Any, chunk_size: int, sizes: dict[str, int], bad: Any) -> tuple[
                 or (codec == "none") != (length == size):
             raise bad(f"blob {h[:16]}… has impossible sizes (stored {str(length)[:20]}, raw {str(size)[:20]}, "
                       f"codec {str(codec)[:10]!r}; the chunk is {sizes[h]} bytes)")
-        if off != offset or isinstance(off, bool):
+        if not _int(off, offset, offset):
             raise bad(f"blob {h[:16]}… is at offset {str(off)[:20]}, expected {offset} (blobs lie back to back)")
         out[h] = Blob(h, off, length, size, codec)
         offset += length

@@ -14,7 +14,7 @@ from typing import Any
 import blake3
 import zstandard
 
-from ..errors import BaseMismatchError, CorruptPatchError, CorruptSafetensorsError, IntegrityError
+from ..errors import BaseMismatchError, CorruptPatchError, CorruptSafetensorsError, IntegrityError, StateMismatchError
 from ..repository.parallel import ordered_map
 from ..signing import TrustedKeys, check_signature
 from ..units import format_bytes
@@ -22,6 +22,11 @@ from .basefile import HashedFile, hash_file
 from .container import PatchFile, open_patch
 from .files import open_regular, read_exact, workers_for
 from .header import Blob, Header, parse_header
+
+# The most memory a zstd frame may ask of its decoder: 8 MiB per worker, whatever the chunk size. ``create`` writes
+# frames with a window of 2**WINDOW_LOG (level 3's own, so its output is unchanged); a frame that needs more is damage.
+MAX_WINDOW = 8 << 20
+WINDOW_LOG = 21
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +96,7 @@ class Prepared:
                 raise CorruptPatchError(f"{self.patch.path} is truncated inside blob {b.hash[:16]}…")
             return
         # streamed into place: memory for one chunk, whatever the frame claims (its window is bounded too)
-        dctx = zstandard.ZstdDecompressor(max_window_size=max(1 << 20, 1 << (b.size - 1).bit_length()))
+        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         try:
             with dctx.stream_reader(_Range(self.patch.fd, start, b.length), read_size=1 << 20) as reader:
                 got = 0
@@ -123,14 +128,12 @@ class _Range:
         return data
 
 
-def prepare(patch_path: str | os.PathLike[str], base_path: str | os.PathLike[str], *,
-            trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None, require_signature: bool | None = None,
-            progress: Callable[[int], Any] | None = None, on_total: Callable[[int], Any] | None = None) -> Prepared:
-    """Open and check a patch and its base (module docstring); nothing is written. The caller closes the result.
-    ``progress(n)`` gets the bytes of the base as they are hashed; ``on_total(n)`` the bytes of base and target."""
+def open_checked(patch_path: str | os.PathLike[str], trusted_keys: TrustedKeys | str | os.PathLike[str] | None,
+                 require_signature: bool | None) -> tuple[PatchFile, Header, str | None]:
+    """The open patch, its checked header and the trusted key that signed it (None when no signature was checked):
+    the prefix, the signature, the header and the file's length, in that order. The caller closes the patch."""
     trusted = trusted_keys if isinstance(trusted_keys, TrustedKeys) else TrustedKeys.load(trusted_keys)
     pf = open_patch(patch_path)
-    base_fd = -1
     try:
         if require_signature is False and pf.signature is None:
             signed_by = None
@@ -142,6 +145,37 @@ def prepare(patch_path: str | os.PathLike[str], base_path: str | os.PathLike[str
         if pf.size != end:
             raise CorruptPatchError(f"{pf.path} is {'truncated' if pf.size < end else 'longer than its header says'}: "
                                     f"{pf.size} bytes, its header says {end}; nothing was written")
+        return pf, header, signed_by
+    except BaseException:
+        pf.close()
+        raise
+
+
+def check_target(header: Header, expect_target: str | None, where: str) -> None:
+    """StateMismatchError (``expected``, ``actual``) when ``expect_target`` is given and is not the patch's target
+    content fingerprint."""
+    actual = header.target["fingerprint"]
+    if expect_target is not None and expect_target != actual:
+        err = StateMismatchError(f"{where} makes content fingerprint {actual} ({header.target['run']}@"
+                                 f"{header.target['step']}), not the expected {str(expect_target)[:80]}; nothing was "
+                                 "written")
+        err.expected, err.actual = expect_target, actual  # type: ignore[attr-defined]
+        raise err
+
+
+def prepare(patch_path: str | os.PathLike[str], base_path: str | os.PathLike[str], *,
+            trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None, require_signature: bool | None = None,
+            expect_target: str | None = None, check: Callable[[Header], Any] | None = None,
+            progress: Callable[[int], Any] | None = None, on_total: Callable[[int], Any] | None = None) -> Prepared:
+    """Open and check a patch and its base (module docstring); nothing is written. The caller closes the result.
+    ``expect_target`` and ``check(header)`` (which raises to refuse) are checked before the base is read.
+    ``progress(n)`` gets the bytes of the base as they are hashed; ``on_total(n)`` the bytes of base and target."""
+    pf, header, signed_by = open_checked(patch_path, trusted_keys, require_signature)
+    base_fd = -1
+    try:
+        check_target(header, expect_target, pf.path)
+        if check is not None:
+            check(header)
         where = os.fspath(base_path)
         base_fd = open_regular(where, CorruptSafetensorsError)
         if on_total is not None:  # the base is hashed, then the target written
@@ -174,6 +208,9 @@ def plan(header: Header, base: HashedFile, where: str) -> list[Chunk]:
         for h, size in t.chunks:
             located = base.where.get(h)
             if located is not None:
+                if located[1] != size:
+                    raise CorruptPatchError(f"{where}: tensor {t.name!r} lists chunk {h[:16]}… as {size} bytes; the "
+                                            f"base holds it as {located[1]} bytes; nothing was written")
                 out.append(Chunk(offset, size, h, base_offset=located[0]))
             elif h in header.blobs:
                 out.append(Chunk(offset, size, h, blob=header.blobs[h]))

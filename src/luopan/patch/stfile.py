@@ -15,8 +15,9 @@ from ..format.canonical import SealError, parse_object
 from ..format.limits import shape_fits
 from ..tree import TORCH_DTYPE_SIZES
 
-# safetensors refuses headers over 100 MB (its MAX_HEADER_SIZE): so does luopan, before reading one
-MAX_HEADER_BYTES = 100_000_000
+# safetensors itself allows headers up to 100 MB, which parse to ~1 GB of Python objects; a base's header is
+# refused over 16 MiB before it is read (~160k tensors; parsed, ~170 MiB at most; docs/format.md §13.4)
+MAX_HEADER_BYTES = 16 << 20
 DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 ITEMSIZE = {name: TORCH_DTYPE_SIZES[name] for name in SAFETENSORS_DTYPES}
 METADATA = "__metadata__"
@@ -62,10 +63,13 @@ def read_header(fd: int, size: int, where: str) -> tuple[list[FileTensor], dict[
     data_start, data_len = 8 + hlen, size - 8 - hlen
     metadata = doc.pop(METADATA, None)
     if metadata is not None and (not isinstance(metadata, dict)
-                                 or not all(isinstance(v, str) for v in metadata.values())):
-        raise bad("__metadata__ is not a map of strings to strings")
+                                 or not all(isinstance(v, str) for v in metadata.values())
+                                 or any(_surrogate(x) for kv in metadata.items() for x in kv)):
+        raise bad("__metadata__ is not a map of strings to strings (without lone surrogates)")
     tensors = []
     for name, spec in doc.items():
+        if _surrogate(name):  # a name no UTF-8 file can hold: it could not be hashed or written again
+            raise bad(f"tensor name {name[:100]!r} holds a lone surrogate")
         if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
             raise bad(f"tensor {name[:100]!r} is not {{dtype, shape, data_offsets}}")
         dtype = DTYPE_OF_CODE.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
@@ -104,4 +108,12 @@ def header_bytes(metadata: dict[str, str] | None, tensors: list[tuple[str, str, 
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return type(x) is int
+
+
+def _surrogate(s: str) -> bool:
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
