@@ -302,7 +302,9 @@ def test_apply_into_a_repository_commits_a_checkpoint(made, tmp_path):
     assert again["new_bytes"] == 0  # everything already in the repository
     assert isinstance(patch_files.available_memory(), int) and patch_files.available_memory() > 0
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(patch_files, "available_memory", lambda: 1000)  # -r holds the whole target: refused up front
+    import luopan.patch.commit as patch_commit
+
+    monkey.setattr(patch_commit, "available_memory", lambda: 1000)  # -r holds the whole target: refused up front
     try:
         with pytest.raises(luopan.UsageError, match="holds its whole target in memory.*-o FILE"):
             luopan.patch.apply(made.patch, made.path("no-such-base.st"), repo=other, run="big", step=1)

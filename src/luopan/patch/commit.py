@@ -13,7 +13,7 @@ from ..format.names import check_run, check_step
 from ..repo import Repo
 from ..tree import new_array
 from ..units import format_bytes
-from . import files
+from .files import available_memory
 from .header import Header
 from .prepare import Chunk, Prepared
 
@@ -22,7 +22,7 @@ def check_memory(header: Header) -> None:
     """UsageError when the target does not fit in the memory available now (``apply -r`` holds all of it): refused
     before the base is read or anything is allocated. No check where the available memory cannot be read."""
     need = header.target["bytes"]
-    avail = files.available_memory()
+    avail = available_memory()
     if avail is not None and need > avail:
         raise UsageError(f"committing this patch into a repository holds its whole target in memory: "
                          f"{format_bytes(need)}, and {format_bytes(avail)} is available; nothing was written. Write "
