@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core.saving import _load_state
 
-from .errors import CheckpointExistsError, CorruptRepoError, OutputPathError
+from ._files import write_atomic, write_error
+from .errors import CheckpointExistsError, CorruptRepoError
 from .format.names import check_run, check_step
 from .repo import Repo, open as open_repo
 
@@ -90,21 +90,11 @@ class LuopanCheckpointIO(CheckpointIO):
     def _write_pointer(self, path: str, step: int) -> None:
         doc = {"format": POINTER_FORMAT, "repo": self.location, "run": self.run, "step": step}
         parent = os.path.dirname(os.path.abspath(path))
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
         try:
             os.makedirs(parent, exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise OutputPathError(exc.errno or 5, f"cannot write the checkpoint pointer {path}: "
-                                                  f"{exc.strerror or exc}") from None
+            raise write_error(exc, path) from None
+        write_atomic(path, json.dumps(doc).encode())
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         ptr = read_pointer(path)

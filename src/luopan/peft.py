@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from typing import Any
 
+from ._files import write_atomic
 from .errors import BaseMismatchError, CheckpointNotFoundError, OutputPathError, UsageError
 from .torch.fingerprint import fingerprint
 from .tree import unflatten
@@ -219,19 +219,7 @@ def export_adapter(repo: Any, run: str, out_dir: str | os.PathLike[str], step: i
         raise OutputPathError(exc.errno or 5, f"cannot create the adapter directory {out}: "
                                               f"{exc.strerror or exc}") from None
     info = repo.export(run, os.path.join(out, ADAPTER_WEIGHTS), m.step, subtree="model")
-    path = os.path.join(out, ADAPTER_CONFIG)
-    tmp = os.path.join(out, f".{ADAPTER_CONFIG}.tmp-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(adapter_config_json(record["config"]), f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise OutputPathError(exc.errno or 5, f"cannot write {path}: {exc.strerror or exc}") from None
+    data = json.dumps(adapter_config_json(record["config"]), indent=2, sort_keys=True).encode()
+    write_atomic(os.path.join(out, ADAPTER_CONFIG), data)
     return {"path": out, "tensors": info["tensors"], "bytes": info["bytes"],
             "base_fingerprint": record.get("base_fingerprint")}

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from ._files import write_atomic
 from .errors import (
     InvalidNameError,
     OutputPathError,
@@ -101,9 +102,7 @@ def generate_key(directory: str | os.PathLike[str], name: str = "luopan", kind: 
             f.write(pem)
             f.flush()
             os.fsync(f.fileno())
-        tmp = pub_path.with_name(f".{pub_path.name}.tmp")
-        tmp.write_bytes(pub)
-        os.replace(tmp, pub_path)
+        write_atomic(pub_path, pub)
     except OSError as exc:
         key_path.unlink(missing_ok=True)
         raise OutputPathError(exc.errno or 5, f"cannot write the key pair in {out}: {exc.strerror or exc}") from None

@@ -13,37 +13,10 @@ from contextlib import contextmanager
 
 import blake3
 
-from ..errors import LockedError, LuopanError, OutputPathError, StorageFullError
+from .._files import _unlink, fsync_dir, write_atomic, write_error  # noqa: F401  (part of this module's API)
+from ..errors import LockedError
 
 LOCK_NAME = ".publish.lock"
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data``: readers see the old file or the new one, never a part; durable on return."""
-    where = os.fspath(path)
-    tmp = f"{where}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, where)
-        fsync_dir(os.path.dirname(os.path.abspath(where)))
-    except BaseException as exc:
-        _unlink(tmp)
-        raise write_error(exc, where) from None
 
 
 def copy_atomic(src: str, dst: str) -> None:
@@ -94,15 +67,6 @@ def file_blake3(path: str) -> tuple[int, str]:
     return os.path.getsize(path), h.hexdigest()
 
 
-def write_error(exc: BaseException, path: str) -> BaseException:
-    """A luopan error for a failure writing ``path`` (other exceptions pass through)."""
-    if isinstance(exc, LuopanError) or not isinstance(exc, OSError):
-        return exc
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFullError(exc.errno, f"no space left while writing {path}")
-    return OutputPathError(exc.errno or errno.EIO, f"cannot write {path}: {exc.strerror or exc}")
-
-
 @contextmanager
 def publish_lock(channel_dir: str) -> Iterator[None]:
     """Hold the channel's publish lock (an flock on ``.publish.lock``): one publish at a time per channel, so two
@@ -121,10 +85,3 @@ def publish_lock(channel_dir: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
