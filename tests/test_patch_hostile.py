@@ -429,7 +429,8 @@ def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 def test_fuzz_structural_mutations_of_the_header(small, data, value, as_float, refingerprint):
     """Any member replaced by any JSON value, or an integer by the same number as a float (the target fingerprint
     recomputed or not): a checked header or a CorruptPatchError / UnsupportedFormatError, never another exception.
-    A header that passes is applied too (few do): the target's bytes or a luopan error, never another exception."""
+    A header that passes is applied too (few do): the output it promises (a renamed tensor with a recomputed target
+    fingerprint is a valid patch of another target) or a luopan error, never another exception."""
     paths = _paths(small.header)
     path = data.draw(st.sampled_from(paths))
     old: Any = small.header
@@ -450,7 +451,10 @@ def test_fuzz_structural_mutations_of_the_header(small, data, value, as_float, r
         luopan.patch.apply(path, small.base, out)
     except LuopanError:
         assert not os.path.exists(out)
-    else:
-        got, want = load_file(out), load_file(small.target)
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    else:  # the output is what the (mutated, unsigned) header promises: checked against its target fingerprint
+        promised = luopan.patch.read_header(path)
+        assert luopan.patch.fingerprint_file(out, promised["chunk_size"]) == promised["target_fingerprint"]
+        if not refingerprint:  # the original target fingerprint admits only the original target
+            got, want = load_file(out), load_file(small.target)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         os.unlink(out)
