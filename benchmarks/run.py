@@ -163,6 +163,16 @@ def print_report(report: dict[str, Any]) -> None:
         print("DATA PROBLEMS: " + "; ".join(report["problems"]))
 
 
+def _finish(report: dict, print_report: Any, args: argparse.Namespace, argv: list[str] | None, log: Any) -> int:
+    """Record the command line, print the suite's tables and write its JSON (the suites with their own report)."""
+    report["command"] = " ".join([os.path.basename(sys.executable), "benchmarks/run.py", *sys.argv[1:]]) \
+        if argv is None else " ".join(argv)
+    log("done")
+    print_report(report)
+    _write_json(args.json, report)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rss_probe:
@@ -172,30 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     log = foundation.Log(verbose=not args.quiet)
     if args.suite == "artifacts":
         report = artifacts.run_artifacts(args.size_mib, args.reps, args.cold_reps, args.workdir, log)
-        report["command"] = " ".join([os.path.basename(sys.executable), "benchmarks/run.py", *sys.argv[1:]]) \
-            if argv is None else " ".join(argv)
-        log("done")
-        artifacts.print_report(report)
-        _write_json(args.json, report)
-        return 0
+        return _finish(report, artifacts.print_report, args, argv, log)
     if args.suite == "dist":
-        report = dist.run_dist(args.size_mib, args.reps, args.workdir, log)
-        report["command"] = " ".join([os.path.basename(sys.executable), "benchmarks/run.py", *sys.argv[1:]]) \
-            if argv is None else " ".join(argv)
-        log("done")
-        dist.print_report(report)
-        _write_json(args.json, report)
-        return 0
+        return _finish(dist.run_dist(args.size_mib, args.reps, args.workdir, log), dist.print_report, args, argv, log)
     if args.suite == "patch":
         report = patch.run_patch(args.size_mib, args.reps, args.workdir, log, not args.no_rss)
         report["results"] += channel.run(args.quick, args.workdir, log,  # P11: a resumed pull over a real nginx
                                          min(args.size_mib, 64 if args.quick else 256))
-        report["command"] = " ".join([os.path.basename(sys.executable), "benchmarks/run.py", *sys.argv[1:]]) \
-            if argv is None else " ".join(argv)
-        log("done")
-        patch.print_report(report)
-        _write_json(args.json, report)
-        return 0
+        return _finish(report, patch.print_report, args, argv, log)
     if args.suite == "tiers":
         report = tiers.run_tiers(args.size_mib, min(args.reps, 3) if args.quick else args.reps, args.workdir, log,
                                  args.quick)
