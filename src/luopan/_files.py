@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+from collections.abc import Callable
 
 from .errors import LuopanError, OutputPathError, StorageFullError
 
@@ -19,16 +20,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data``: readers see the old file or the new one, never a part; durable on return."""
+def replace_atomic(path: str | os.PathLike[str], fill: Callable[[int], None]) -> None:
+    """Replace ``path`` with what ``fill(fd)`` writes into a new temporary file beside it: readers see the old file
+    or the whole new one, never a part; durable on return (fsync of the file, rename, fsync of the directory)."""
     where = os.fspath(path)
     tmp = f"{where}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            fill(fd)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -37,6 +37,16 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     except BaseException as exc:
         _unlink(tmp)
         raise write_error(exc, where) from None
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (``replace_atomic``)."""
+    def fill(fd: int) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    replace_atomic(path, fill)
 
 
 def write_error(exc: BaseException, path: str) -> BaseException:

@@ -7,40 +7,34 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import blake3
 
-from .._files import _unlink, fsync_dir, write_atomic, write_error  # noqa: F401  (part of this module's API)
+from .._files import _unlink, fsync_dir, replace_atomic, write_atomic, write_error  # noqa: F401  (this module's API)
 from ..errors import LockedError
 
 LOCK_NAME = ".publish.lock"
 
 
 def copy_atomic(src: str, dst: str) -> None:
-    """Replace ``dst`` with a copy of the file ``src`` (a temporary file beside ``dst``, fsync, rename, fsync of the
-    directory): ``dst`` is the old file or the whole copy, never a part."""
-    tmp = f"{dst}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    """Replace ``dst`` with a copy of the file ``src`` (``replace_atomic``): ``dst`` is the old file or the whole
+    copy, never a part."""
     try:
-        with open(src, "rb") as f_in:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                size, done = os.fstat(f_in.fileno()).st_size, 0
-                while done < size:
-                    n = os.sendfile(fd, f_in.fileno(), done, min(size - done, 1 << 30))
-                    if n == 0:
-                        raise OSError(errno.EIO, f"{src} shrank while it was copied")
-                    done += n
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, dst)
-        fsync_dir(os.path.dirname(os.path.abspath(dst)))
-    except BaseException as exc:
-        _unlink(tmp)
+        f_in = open(src, "rb")  # noqa: SIM115 - closed below, after replace_atomic used it
+    except OSError as exc:
         raise write_error(exc, dst) from None
+    with f_in:
+        def fill(fd: int) -> None:
+            size, done = os.fstat(f_in.fileno()).st_size, 0
+            while done < size:
+                n = os.sendfile(fd, f_in.fileno(), done, min(size - done, 1 << 30))
+                if n == 0:
+                    raise OSError(errno.EIO, f"{src} shrank while it was copied")
+                done += n
+
+        replace_atomic(dst, fill)
 
 
 def move_into_place(src: str, dst: str) -> None:
