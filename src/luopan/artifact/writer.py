@@ -3,26 +3,14 @@ repository, packed, then indexed (docs/format.md §5.3, §10)."""
 
 from __future__ import annotations
 
-import queue
-import sys
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-import blake3
-import numpy as np
-import xxhash
 from pyfastcdc import FastCDC
 
-from .._crash import crashpoint
 from ..format.config import RepoConfig
-from ..format.index import build_index
-from ..format.names import index_key
-from ..format.pack import BlobLocation, PackBuilder
-from ..repository.packwriter import PackChecker, PackWriter, compressor, exists_quietly
-from ..repository.parallel import WORKERS, ordered_map
+from ..format.pack import BlobLocation
+from ..repository.chunkstore import BufferPool, Stored, store_chunks
 from ..store.base import Store
 from .sources import Source
 
@@ -31,76 +19,11 @@ CDC_MIN = 64 << 10
 CDC_AVG = 256 << 10
 CDC_MAX = 1 << 20
 READ_BLOCK = 16 << 20  # bytes read from a file at a time (memory per file in flight stays bounded)
-AHEAD = 64  # chunks cut ahead of hashing
-ARENA = 16 << 20  # bytes of new chunks copied into one pooled buffer
 SMALL_FILE = 1 << 20  # files up to this size are read whole, each into its own bytes object
-INLINE_BYTES = 64 << 10  # smaller chunks are hashed on the calling thread (a handoff costs more)
-GROUP_BYTES = 8 << 20
-
-
-@dataclass
-class Stored:
-    """The chunks of each file, and what the commit added to the repository."""
-
-    rows: list[list[tuple[str, int, str]]]  # per source: (hash, size, xxh3) of each chunk, in order
-    locations: dict[str, BlobLocation]  # every chunk the rows name
-    new_locations: dict[str, BlobLocation] = field(default_factory=dict)
-    index_key: str | None = None
-    new_chunks: int = 0
-    new_bytes: int = 0
-    stored_bytes: int = 0
-    new_packs: int = 0
-
-
-class BufferPool:
-    """Read buffers, reused once nothing refers to them any more (no chunk view of one is still queued for hashing or
-    held by a pack being written). Buffers are not zero-filled (``numpy.empty``): zeroing fresh memory, then reading
-    over it, cost more than the reading."""
-
-    def __init__(self) -> None:
-        self._buffers: list[np.ndarray] = []
-
-    def get(self, size: int) -> memoryview:
-        free = []
-        for buf in self._buffers:
-            # References: the list, this loop's name, getrefcount's argument; a live view of it adds one.
-            if sys.getrefcount(buf) == 3:
-                if len(buf) >= size:
-                    return memoryview(buf)
-                free.append(buf)
-        if free:  # too small for this block and unused: let them go (the pool stays a handful of buffers)
-            drop = {id(b) for b in free}
-            self._buffers = [b for b in self._buffers if id(b) not in drop]
-        buf = np.empty(size, dtype=np.uint8)
-        self._buffers.append(buf)
-        return memoryview(buf)
 
 
 def _cdc() -> FastCDC:
     return FastCDC(avg_size=CDC_AVG, min_size=CDC_MIN, max_size=CDC_MAX)
-
-
-class Arenas:
-    """Where new chunks are copied for their packs: pooled buffers of ARENA bytes, each reused once the packs holding
-    views of it are durable. The read buffer of a chunk is then free for the next block at once, and no chunk gets a
-    fresh allocation of its own (a 256 KiB ``bytes`` each cost page faults and unmaps: 3 s of system time for 1 GiB
-    here)."""
-
-    def __init__(self) -> None:
-        self._pool = BufferPool()
-        self._current: memoryview | None = None
-        self._used = 0
-
-    def copy(self, view: memoryview) -> memoryview:
-        n = len(view)
-        if self._current is None or self._used + n > len(self._current):
-            self._current = None  # drop our reference: the pool sees the old arena as free once its packs are
-            self._current = self._pool.get(max(ARENA, n))
-            self._used = 0
-        dst = self._current[self._used : self._used + n]
-        dst[:] = view
-        self._used += n
-        return dst
 
 
 def cdc_chunks(stream: BinaryIO, size_hint: int | None = None, pool: BufferPool | None = None
@@ -144,73 +67,11 @@ def cdc_chunks(stream: BinaryIO, size_hint: int | None = None, pool: BufferPool 
             yield view[off : off + length]
 
 
-class ahead:  # noqa: N801  (used like a generator)
-    """Iterate ``produce()`` on a thread of its own, up to ``depth`` items ahead: reading and cutting a file (the cut
-    runs without the GIL) overlap hashing and packing. Its error is raised here; ``close()`` stops it."""
-
-    _END = object()
-
-    def __init__(self, produce: Callable[[], Iterator[Any]], depth: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(depth)
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(produce,), name="luopan-cdc", daemon=True)
-        self._thread.start()
-
-    def _run(self, produce: Callable[[], Iterator[Any]]) -> None:
-        try:
-            for item in produce():
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            self._error = exc
-        finally:
-            self._put_end()
-
-    def _put_end(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(self._END, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def __iter__(self) -> ahead:
-        return self
-
-    def __next__(self) -> Any:
-        item = self._queue.get()
-        if item is self._END:
-            self._thread.join()
-            if self._error is not None:
-                raise self._error
-            raise StopIteration
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocation],
                   intact: dict[str, tuple[int, ...]], sources: list[Source],
                   progress: Callable[[int], Any] | None = None) -> Stored:
     """Write the chunks of every file source the repository lacks (packs, then one index file). On failure before
     the index file is visible, the packs written are deleted again (nothing can reference them yet)."""
-    codec, level = config.compression.codec, config.compression.level
-    writer = PackWriter(store, config.pack_size, intact)
-    checker = PackChecker(store, intact)
-    rows: list[list[tuple[str, int, str]]] = [[] for _ in sources]
-    new: dict[str, tuple[PackBuilder, int, int, int, str]] = {}
-    out = Stored(rows, {})
-    index_name = None
-
     buffers = BufferPool()
 
     def chunks() -> Iterator[tuple[int, memoryview]]:
@@ -221,59 +82,5 @@ def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocatio
                 for chunk in cdc_chunks(f, src.size, buffers):
                     yield i, chunk
 
-    items = ahead(chunks, AHEAD)
-    arenas = Arenas()
-
-    def work(item: tuple[int, memoryview]) -> tuple[int, str, memoryview, int, str, str]:
-        i, view = item
-        h = blake3.blake3(view).hexdigest()
-        x = xxhash.xxh3_128_hexdigest(view)
-        if h in known:
-            return i, h, view, len(view), "none", x  # deduplicated (unless its pack is gone: then copied below)
-        if codec == "zstd":
-            z = compressor(level).compress(view)
-            if len(z) < len(view):
-                return i, h, memoryview(z), len(view), "zstd", x
-        return i, h, view, len(view), "none", x  # copied into an arena below
-
-    pool = ThreadPoolExecutor(WORKERS, "luopan-artifact")
-    try:
-        with pool:
-            for i, h, stored, size, blob_codec, x in ordered_map(
-                    pool, work, items, window=2 * WORKERS, inline=lambda item: len(item[1]) < INLINE_BYTES,
-                    group=lambda item: len(item[1]), group_size=GROUP_BYTES):
-                rows[i].append((h, size, x))
-                if progress is not None:
-                    progress(size)
-                if h in new:
-                    continue
-                if h in known:
-                    if checker.reusable(known[h]):
-                        continue
-                    del known[h]  # stale index entry: store the chunk again
-                if blob_codec == "none":
-                    stored = arenas.copy(stored)
-                builder, off = writer.add(h, stored, size, blob_codec)
-                new[h] = (builder, off, len(stored), size, blob_codec)
-                out.new_bytes += size
-                crashpoint("artifact.chunk.written")
-        writer.finish()
-        if writer.written:
-            index_id, index_bytes = build_index(writer.written)
-            index_name = index_key(index_id)
-            store.put_if_absent(index_name, index_bytes)
-    except BaseException:
-        items.close()
-        writer.close()
-        if index_name is None or not exists_quietly(store, index_name):
-            writer.discard()
-        raise
-    writer.close()
-    for h, (builder, off, length, size, blob_codec) in new.items():
-        out.new_locations[h] = BlobLocation(builder.pack_id, off, length, size, blob_codec)
-    out.locations = {h: out.new_locations.get(h) or known[h] for r in rows for h, _s, _x in r}
-    out.index_key = index_name
-    out.new_chunks = len(new)
-    out.stored_bytes = writer.stored_bytes
-    out.new_packs = len(writer.written)
-    return out
+    return store_chunks(store, config, known, intact, chunks, len(sources), progress=progress,
+                        crash_label="artifact.chunk.written")
