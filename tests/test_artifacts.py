@@ -473,7 +473,7 @@ def test_tiered_artifacts_replicate_evict_and_read_back(tmp_path):
         assert art.commit({"f.bin": b"new"}).version == 4  # numbers of evicted versions are never reused
         assert repo.wait_replicated(timeout=60)
     # the remote is a repository of its own, at the format its artifacts need (older readers refuse it)
-    assert unseal((remote / "luopan.json").read_bytes())["format_version"] == FORMAT_VERSION == 3
+    assert unseal((remote / "luopan.json").read_bytes())["format_version"] == 3 <= FORMAT_VERSION
     with luopan.open(remote, create=False) as there:
         assert [v.version for v in there.artifact("ds/x").versions()] == [1, 2, 3, 4]
         there.verify()

@@ -171,6 +171,10 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return check_ranks_member
     if heading.startswith("### 13.2"):
         return check_patch_header
+    if heading.startswith("### 16.3"):
+        from luopan.journal.manifest import parse_snapshot_manifest
+
+        return lambda d: parse_snapshot_manifest(sealed(d), "journals/agent/_v/00000101.json", "agent", 101)
     if heading.startswith(("## 15.", "### 15.")):
         from luopan.channel.index import parse_index as parse_channel_index
         from luopan.channel.state import parse_state
@@ -224,7 +228,7 @@ def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
     for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2", "### 9.3",
                     "### 10.2", "### 10.3", "### 10.5", "### 13.2",
-                    "### 15.2", "### 15.4"):
+                    "### 15.2", "### 15.4", "### 16.3"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval
     assert sum(h.startswith("### 10.2") for h in headings) == 4  # tier config, pending, replicated, cold

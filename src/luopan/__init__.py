@@ -29,6 +29,7 @@ from .errors import (
     CheckpointNotFoundError,
     CollectiveError,
     ConfigConflictError,
+    CorruptJournalError,
     CorruptManifestError,
     CorruptPackError,
     CorruptPatchError,
@@ -38,6 +39,7 @@ from .errors import (
     InsufficientSpaceError,
     IntegrityError,
     InvalidNameError,
+    JournalBusyError,
     LayoutMismatchError,
     LockedError,
     LuopanError,
@@ -49,6 +51,7 @@ from .errors import (
     ObjectTooLargeError,
     OutputPathError,
     PlanInputError,
+    RecordNotFoundError,
     ProbeError,
     ReplicationError,
     RepoExistsError,
@@ -69,8 +72,9 @@ from .errors import (
 __version__ = "0.1.0"
 
 
-# Modules reached as luopan.<name> on first use (each imports optional or heavy packages: torch, peft, transformers).
-_LAZY = ("torch", "patch", "channel", "signing", "peft", "hf", "dcp", "lightning")
+# Modules reached as luopan.<name> on first use (most import optional or heavy packages: torch, peft, transformers,
+# faiss, langgraph).
+_LAZY = ("torch", "patch", "channel", "signing", "peft", "hf", "dcp", "lightning", "journal")
 
 
 def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
@@ -101,6 +105,7 @@ __all__ = [
     "ColdPolicy",
     "CollectiveError",
     "ConfigConflictError",
+    "CorruptJournalError",
     "CorruptManifestError",
     "CorruptPackError",
     "CorruptPatchError",
@@ -111,6 +116,7 @@ __all__ = [
     "InsufficientSpaceError",
     "IntegrityError",
     "InvalidNameError",
+    "JournalBusyError",
     "LayoutMismatchError",
     "LockedError",
     "Lineage",
@@ -123,6 +129,7 @@ __all__ = [
     "ObjectTooLargeError",
     "OutputPathError",
     "PlanInputError",
+    "RecordNotFoundError",
     "ProbeError",
     "ReplicationError",
     "Repo",

@@ -238,3 +238,21 @@ class ChannelDownloadError(LuopanError, ConnectionError):
     ``missing`` is true when the server answered that the file does not exist (the channel changed meanwhile)."""
 
     missing: bool = False
+
+
+class CorruptJournalError(IntegrityError):
+    """A journal segment is damaged where it cannot be a torn tail (docs/format.md §16): a record other than the last
+    ones written is unreadable, or a segment is missing. ``segment`` and ``offset`` name where. Nothing was cut."""
+
+    segment: str = ""
+    offset: int = 0
+
+
+class JournalBusyError(LuopanError, BlockingIOError):
+    """Another process (or another Journal object of this one) has the journal open for writing: a journal has one
+    writer at a time. Close the other one, or open this one with ``read_only=True``."""
+
+
+class RecordNotFoundError(ManifestNotFoundError):
+    """No record with that sequence number: it is past the end of the journal, or it was compacted into a snapshot
+    (read the snapshot with ``latest_snapshot()``, then the records from its ``seq``)."""

@@ -13,6 +13,8 @@ from .checkpoint.collective import Collective
 from .checkpoint.kind import CHECKPOINTS
 from .checkpoint.rowdelta import DeltaPolicy
 from .format.config import Compression, RepoConfig
+from .journal.api import Journal
+from .journal.kind import JOURNAL_KIND
 from .repository.locks import DEFAULT_TIMEOUT
 from .repository.opening import check_new, check_open_options, connect
 from .repository.preflight import DEFAULT_SPACE_MARGIN
@@ -24,10 +26,15 @@ class Repo(Collective, Checkpoints, Artifacts):
     """A luopan repository: checkpoints of runs and versioned artifacts, sharing one content-addressed store.
     Not safe for concurrent writes from several threads of one process."""
 
-    kinds = (ARTIFACTS_KIND, CHECKPOINTS)  # resolve() tries them in this order
+    kinds = (ARTIFACTS_KIND, CHECKPOINTS, JOURNAL_KIND)  # resolve() tries them in this order
 
     def __init__(self, store: Store, config: RepoConfig, delta_policy: DeltaPolicy | None = None) -> None:
         Checkpoints.__init__(self, store, config, delta_policy)
+
+    def journal(self, name: str = "main", fsync: str = "always", **options: Any) -> Journal:
+        """The journal ``name`` of this repository, opened for appending (docs/format.md §16); see
+        ``luopan.journal.Journal`` for ``fsync`` and the other options."""
+        return Journal(self, fsync, name=name, **options)
 
 
 def open(  # noqa: A001  (the public verb is luopan.open)

@@ -9,7 +9,7 @@ from ..errors import UnsupportedFormatError
 # The newest format_version this luopan reads. Each file is written with the oldest version that can describe it
 # (docs/format.md §1): config and index files are version 1; a manifest is version 2 only if it holds a row delta;
 # artifact manifests are version 3, and a repository holding any has a version-3 config (older luopan refuse it).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 BASE_FORMAT_VERSION = 1
 
 

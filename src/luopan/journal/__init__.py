@@ -1,0 +1,9 @@
+"""Journals: append-only records with fsync modes, torn-tail recovery, and compaction into snapshots kept in the
+repository (docs/format.md §16). ``from luopan.journal import Journal``."""
+
+from ..errors import CorruptJournalError, JournalBusyError, RecordNotFoundError
+from ..repository.wal import Recovery
+from .api import Journal
+from .snapshots import Snapshot
+
+__all__ = ["Journal", "Snapshot", "Recovery", "CorruptJournalError", "JournalBusyError", "RecordNotFoundError"]
