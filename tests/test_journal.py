@@ -248,3 +248,17 @@ def test_journal_on_an_object_store_is_refused(tmp_path):
     repo = luopan.open(MemoryStore())
     with pytest.raises(UsageError, match="local filesystem"):
         Journal(repo)
+
+
+def test_snapshots_of_a_tiered_repository_replicate(tmp_path):
+    repo = luopan.open(tmp_path / "local", replicate_to=str(tmp_path / "remote"))
+    j = repo.journal("agent")
+    j.append({"a": 1})
+    seq = j.compact(b"state" * 10_000)
+    assert repo.wait_replicated(60)
+    assert (tmp_path / "remote" / "journals" / "agent" / "_v" / f"{seq:08d}.json").exists()
+    j.close()
+    repo.close()
+    remote = luopan.open(tmp_path / "remote")
+    remote.verify()
+    assert remote.du()["journals"] == 1

@@ -3,6 +3,7 @@ into content-defined chunks, so what did not change since the previous snapshot 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ..repository.locks import locked
 from ..repository.preflight import refuse
 from ..store.base import KeyNotFound
 from ..units import format_bytes
+from .kind import JOURNAL_KIND
 from .manifest import JOURNAL_FORMAT_VERSION, parse_snapshot_manifest, seal_snapshot_manifest
 from .names import snapshot_key
 
@@ -79,8 +81,9 @@ def store_snapshot(repo: RepositoryCore, name: str, seq: int, value: Any, metada
     refuse(repo, repo.space_margin, len(data), f"snapshot of journal {name!r}")
     repo.require_format(JOURNAL_FORMAT_VERSION)
     with locked(repo.store, "shared", f"snapshot of journal {name}", timeout=repo.lock_timeout, where=repo.where):
-        stored = store_chunks(repo.store, repo.config, repo.chunk_index(), repo._intact_packs,
-                              lambda: _cdc(data), 1, crash_label="journal.chunk.written")
+        with repo.tier.saving() if repo.tier is not None else contextlib.nullcontext():
+            stored = store_chunks(repo.store, repo.config, repo.chunk_index(), repo._intact_packs,
+                                  lambda: _cdc(data), 1, crash_label="journal.chunk.written")
         repo.learned(stored.new_locations, stored.index_key)
         packs: dict[str, int] = {}
         rows = []
@@ -99,8 +102,11 @@ def store_snapshot(repo: RepositoryCore, name: str, seq: int, value: Any, metada
         if len(blob) > MAX_MANIFEST_BYTES:
             raise UsageError(f"the manifest of this snapshot would be {format_bytes(len(blob))}, more than readers "
                              f"accept ({format_bytes(MAX_MANIFEST_BYTES)})")
-        if repo.store.put_if_absent(key, blob):
-            return doc
+        committed = repo.store.put_if_absent(key, blob)
+    if committed:
+        if repo.tier is not None:  # a tiered repository replicates the snapshot like any manifest (§10.2)
+            repo.tier.committed(JOURNAL_KIND, name, seq)
+        return doc
     existing = parse_snapshot_manifest(repo.store.get_limited(key, MAX_MANIFEST_BYTES), key, name, seq)
     if [r[0] for r in existing["entries"][0]["chunks"]] == [r[0] for r in rows] \
             and existing["entries"][0]["type"] == kind:
