@@ -7,6 +7,7 @@
     python benchmarks/run.py --suite artifacts [--size-mib 1024] [--quick] [--json OUT]     (A1, A2, A3)
     python benchmarks/run.py --suite dist [--size-mib 1024] [--quick] [--json OUT]          (D1, D2, D3)
     python benchmarks/run.py --suite patch [--size-mib 1024] [--quick] [--json OUT]         (P9, P10, P11, P12)
+    python benchmarks/run.py --suite agent [--quick] [--json OUT]                           (J1, J2, I1, I2)
 
 Runs in one process, alternating peer and luopan measurements, and prints medians and ratios. Exits 0 whether or
 not the goals are met (the table and the JSON say which are missed); exits non-zero only when it cannot run.
@@ -28,6 +29,7 @@ try:
 except ImportError:  # running from a checkout without an installed luopan
     sys.path.insert(1, os.path.join(os.path.dirname(HERE), "src"))
 
+import agent  # noqa: E402
 import artifacts  # noqa: E402
 import channel  # noqa: E402
 import dist  # noqa: E402
@@ -42,7 +44,7 @@ DEFAULT_SIZE_MIB = 1024
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts", "dist", "patch"], default="foundation")
+    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts", "dist", "patch", "agent"], default="foundation")
     ap.add_argument("--size-mib", type=int, default=None,
                     help=f"state size in MiB (default {DEFAULT_SIZE_MIB}; {QUICK_SIZE_MIB} with --quick)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE_MIB} MiB state, fewer cold repetitions")
@@ -180,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(foundation.rss_probe(args.rss_probe, args.size_mib, work)))
         return 0
     log = foundation.Log(verbose=not args.quiet)
+    if args.suite == "agent":
+        report = agent.run_agent(args.quick, args.reps, args.workdir, log)
+        return _finish(report, agent.print_report, args, argv, log)
     if args.suite == "artifacts":
         report = artifacts.run_artifacts(args.size_mib, args.reps, args.cold_reps, args.workdir, log)
         return _finish(report, artifacts.print_report, args, argv, log)

@@ -14,7 +14,7 @@ from .conftest import PYTHON, ROOT
 
 SRC = os.path.join(ROOT, "src")
 PACKAGE = os.path.join(SRC, "luopan")
-KINDS = ("luopan.checkpoint", "luopan.artifact", "luopan.journal")
+KINDS = ("luopan.checkpoint", "luopan.artifact", "luopan.journal", "luopan.index")
 CORE = ("luopan.repository", "luopan.store", "luopan.format")
 
 

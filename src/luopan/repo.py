@@ -13,6 +13,7 @@ from .checkpoint.collective import Collective
 from .checkpoint.kind import CHECKPOINTS
 from .checkpoint.rowdelta import DeltaPolicy
 from .format.config import Compression, RepoConfig
+from .index.kind import INDEX_KIND
 from .journal.api import Journal
 from .journal.kind import JOURNAL_KIND
 from .repository.locks import DEFAULT_TIMEOUT
@@ -26,7 +27,7 @@ class Repo(Collective, Checkpoints, Artifacts):
     """A luopan repository: checkpoints of runs and versioned artifacts, sharing one content-addressed store.
     Not safe for concurrent writes from several threads of one process."""
 
-    kinds = (ARTIFACTS_KIND, CHECKPOINTS, JOURNAL_KIND)  # resolve() tries them in this order
+    kinds = (ARTIFACTS_KIND, CHECKPOINTS, JOURNAL_KIND, INDEX_KIND)  # resolve() tries them in this order
 
     def __init__(self, store: Store, config: RepoConfig, delta_policy: DeltaPolicy | None = None) -> None:
         Checkpoints.__init__(self, store, config, delta_policy)

@@ -175,7 +175,7 @@ class RepositoryCore:
     def du(self) -> dict[str, int]:
         """Logical bytes over every manifest of every kind vs physical bytes in the store (``checkpoints``,
         ``artifacts``: how many of each; ``damaged_manifests``: ones that could not be read)."""
-        out: dict[str, int] = {f"{k.name}s": 0 for k in self.kinds}
+        out: dict[str, int] = {k.count_key: 0 for k in self.kinds}
         logical = damaged = 0
         for kind in self.kinds:
             for series, number in kind.scan(self.store, None, False).pairs():
@@ -184,7 +184,7 @@ class RepositoryCore:
                 except (IntegrityError, UnsupportedFormatError, StorageError, KeyNotFound):
                     damaged += 1  # counted, not fatal: `verify` names it
                     continue
-                out[f"{kind.name}s"] += 1
+                out[kind.count_key] += 1
         sizes = {"packs": 0, "index": 0, "refs": 0, **{k.root.rstrip("/"): 0 for k in self.kinds}}
         for top in sizes:
             for key in self.store.list(top + "/"):

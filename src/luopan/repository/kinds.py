@@ -68,6 +68,14 @@ class Kind:
     marker: str = ""  # tier markers: tier/<state>/<marker><series>/<number>.json ("" for checkpoints)
     # The "NAME@N" references a manifest names as what it was made from (lineage, docs/format.md §8.2)
     inputs: Callable[[dict[str, Any]], list[str]] = lambda doc: list(doc.get("inputs", []))
+    # (store, series) -> numbers retention must keep besides pins and the newest (an index's live version, §17)
+    protected: Callable[[Store, str], set[int]] = lambda _store, _series: set()
+    plural: str = ""  # "indexes"; default name + "s" (du's counts)
+
+    @property
+    def count_key(self) -> str:
+        """du's key for how many manifests of this kind there are ("checkpoints", "artifacts", "indexes")."""
+        return self.plural or f"{self.name}s"
 
     def label(self, series: str, number: int) -> str:
         return f"{self.series_noun} {series!r} {self.number_noun} {number}"

@@ -35,6 +35,7 @@ def _prune(repo: Opened, kind: Kind, series: str, retention: Rules | None, dry_r
            missing: Exception | None) -> Plan:
     store = repo.store
     pins = read_pins(store, kind, series)
+    live = kind.protected(store, series)
     numbers = kind.scan(store, series, False).steps.get(series, [])
     if not numbers:
         raise missing or ManifestNotFoundError(f"{kind.series_noun} {series!r} has no committed {kind.name}")
@@ -42,8 +43,8 @@ def _prune(repo: Opened, kind: Kind, series: str, retention: Rules | None, dry_r
     for n in numbers:
         doc = repo.read_manifest(kind, series, n)
         tag = pins.get(n, {}).get("tag")
-        items.append(Checkpoint(n, parse_time(doc["created"]), decode_metrics(doc.get("metrics", {})), n in pins,
-                                (tag,) if tag else ()))
+        items.append(Checkpoint(n, parse_time(doc["created"]), decode_metrics(doc.get("metrics", {})),
+                                n in pins or n in live, (tag,) if tag else ()))
     if missing_metrics == "error":
         check_metrics(items, retention, f"{kind.series_noun} {series!r}")
     decided = plan(items, retention)
