@@ -7,15 +7,13 @@ content-defined chunks (FastCDC), each a chunk row of docs/format.md §8 in the 
 from __future__ import annotations
 
 import math
-from datetime import datetime
 from typing import Any
 
 from ..errors import CorruptManifestError
-from ..format import refuse_newer
-from ..format.canonical import SealError, parse_object, seal, verify_seal
+from ..format.canonical import seal
+from ..format.kindmanifest import check_created, check_members, chunk_row_ok, open_manifest
 from ..format.manifest import chunk_bytes
-from ..format.names import is_artifact_name, is_hex64, parse_ref_text
-from ..format.pack import CODECS
+from ..format.names import is_artifact_name, parse_ref_text
 from ..errors import InvalidNameError
 
 ARTIFACT_FORMAT_VERSION = 3  # docs/format.md §1: artifacts arrived with format 3
@@ -48,16 +46,6 @@ def check_relpath(path: object) -> str | None:
     return None
 
 
-def _is_uint(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
-
-
-def _row_ok(row: object) -> bool:
-    """A chunk row ``[hash, pack index, offset, length, size, codec, xxh3]`` of the right types (docs/format.md §8)."""
-    return (isinstance(row, list) and len(row) == 7 and is_hex64(row[0]) and all(_is_uint(x) for x in row[1:5])
-            and row[5] in CODECS and isinstance(row[6], str) and len(row[6]) == 32)
-
-
 def seal_artifact_manifest(doc: dict[str, Any]) -> bytes:
     return seal(doc)
 
@@ -69,28 +57,15 @@ def parse_artifact_manifest(data: bytes, where: str, name: str | None = None,
     def bad(msg: str) -> CorruptManifestError:
         return CorruptManifestError(f"artifact manifest {where}: {msg}")
 
-    try:
-        obj = parse_object(data)
-        refuse_newer(obj, where)
-        doc = verify_seal(obj)
-    except SealError as exc:
-        raise CorruptManifestError(f"artifact manifest {where} is damaged: {exc}") from None
-    for key, kind in _TOP.items():
-        value = doc.get(key)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise bad(f"member {key!r} is missing or not a {kind.__name__}")
+    doc = open_manifest(data, where, "artifact manifest")
+    check_members(doc, _TOP, bad)
     if doc["kind"] != "artifact" or doc["root"] not in ROOTS:
         raise bad("it is not an artifact version (kind/root)")
     if not is_artifact_name(doc["name"]) or not 1 <= doc["version"] < 10**15:
         raise bad("its name or version is invalid")
     if name is not None and (doc["name"], doc["version"]) != (name, version):
         raise bad(f"it names {doc['name']!r} version {doc['version']}, not its location's {name!r} version {version}")
-    try:
-        created = datetime.fromisoformat(doc["created"].replace("Z", "+00:00"))
-    except ValueError:
-        created = None
-    if created is None or created.utcoffset() is None:
-        raise bad("its created time is not an ISO-8601 time with a timezone")
+    check_created(doc, bad)
     if len(doc["parents"]) > MAX_PARENTS:
         raise bad("it names too many parents")
     for parent in doc["parents"]:
@@ -131,7 +106,7 @@ def parse_artifact_manifest(data: bytes, where: str, name: str | None = None,
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(chunks, list) \
                 or e.get("chunking") != "cdc":
             raise bad(f"file entry {path!r} lacks its size, chunks or chunking")
-        if not all(_row_ok(r) for r in chunks):
+        if not all(chunk_row_ok(r) for r in chunks):
             raise bad(f"file entry {path!r} has a malformed chunk row")
         if any(r[4] > MAX_ARTIFACT_CHUNK for r in chunks):
             raise bad(f"file entry {path!r} has a chunk larger than {MAX_ARTIFACT_CHUNK} bytes")

@@ -8,18 +8,16 @@ CorruptManifestError, never a KeyError or a buffer sized by a lie.
 from __future__ import annotations
 
 import math
-from datetime import datetime
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptManifestError, CorruptRepoError
-from ..format import refuse_newer
-from ..format.canonical import SealError, parse_object, seal, unseal_file, verify_seal
+from ..format.canonical import seal, unseal_file
 from ..format.limits import MAX_COUNT, MAX_NBYTES, shape_fits
+from ..format.kindmanifest import check_created, check_members, chunk_row_ok, is_uint, open_manifest
 from ..format.manifest import chunk_bytes
 from ..format.names import MAX_STEP, is_hex64
-from ..format.pack import CODECS
 from .names import is_index_name
 
 INDEX_FORMAT_VERSION = 4  # docs/format.md §1: index snapshots arrived with format 4
@@ -36,15 +34,8 @@ _TOP = {"format_version": int, "kind": str, "name": str, "version": int, "create
 _STATS = ("logical_bytes", "stored_bytes", "new_bytes", "chunks", "new_chunks", "new_packs")
 
 
-def _uint(x: object, bound: int = 1 << 62) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < bound
-
-
 def _row_ok(row: object) -> bool:
-    """A chunk row ``[hash, pack index, offset, length, size, codec, xxh3]`` of the right types (docs/format.md §8)."""
-    return (isinstance(row, list) and len(row) == 7 and is_hex64(row[0]) and all(_uint(x, 1 << 48) for x in row[1:5])
-            and row[5] in CODECS and isinstance(row[6], str) and len(row[6]) == 32
-            and all(c in "0123456789abcdef" for c in row[6]))
+    return chunk_row_ok(row, 1 << 48)
 
 
 def _path_ok(path: object) -> bool:
@@ -69,37 +60,24 @@ def parse_index_manifest(data: bytes, where: str, name: str | None = None,
     def bad(msg: str) -> CorruptManifestError:
         return CorruptManifestError(f"index manifest {where}: {msg}")
 
-    try:
-        obj = parse_object(data)
-        refuse_newer(obj, where)
-        doc = verify_seal(obj)
-    except SealError as exc:
-        raise CorruptManifestError(f"index manifest {where} is damaged: {exc}") from None
-    for key, kind in _TOP.items():
-        value = doc.get(key)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise bad(f"member {key!r} is missing or not a {kind.__name__}")
+    doc = open_manifest(data, where, "index manifest")
+    check_members(doc, _TOP, bad)
     if doc["kind"] != "index" or doc["layout"] not in LAYOUTS or not 1 <= doc["format_version"]:
         raise bad("it is not an index snapshot (kind/layout)")
     if not is_index_name(doc["name"]) or not 1 <= doc["version"] <= MAX_STEP:
         raise bad("its name or version is invalid")
     if name is not None and (doc["name"], doc["version"]) != (name, version):
         raise bad(f"it names {doc['name']!r} version {doc['version']}, not its location's {name!r} version {version}")
-    try:
-        created = datetime.fromisoformat(doc["created"].replace("Z", "+00:00"))
-    except ValueError:
-        created = None
-    if created is None or created.utcoffset() is None:
-        raise bad("its created time is not an ISO-8601 time with a timezone")
+    check_created(doc, bad)
     if not (0 < len(doc["index_type"]) <= 200 and doc["index_type"].isascii()):
         raise bad("its index_type is invalid")
-    if not _uint(doc["dim"], 1 << 31) or not _uint(doc["ntotal"], MAX_COUNT):
+    if not is_uint(doc["dim"], 1 << 31) or not is_uint(doc["ntotal"], MAX_COUNT):
         raise bad("its dim or ntotal is out of range")
     if not all(isinstance(k, str) and len(k) <= MAX_PATH_CHARS and isinstance(v, int) and not isinstance(v, bool)
                and -MAX_FIELD <= v < MAX_FIELD for k, v in doc["fields"].items()):
         raise bad("its fields are invalid")
     stats = doc["stats"]
-    if not all(_uint(stats.get(k)) for k in _STATS):
+    if not all(is_uint(stats.get(k)) for k in _STATS):
         raise bad("its stats are incomplete")
     packs = doc["packs"]
     if not all(is_hex64(p) for p in packs) or len(set(packs)) != len(packs):
@@ -118,7 +96,7 @@ def parse_index_manifest(data: bytes, where: str, name: str | None = None,
         seen.add(path)
         shape = e["shape"]
         if (e["dtype"] not in DTYPES or not isinstance(shape, list) or not 1 <= len(shape) <= 2
-                or not all(_uint(d, 1 << 48) for d in shape) or not shape_fits(shape, np.dtype(e["dtype"]).itemsize)):
+                or not all(is_uint(d, 1 << 48) for d in shape) or not shape_fits(shape, np.dtype(e["dtype"]).itemsize)):
             raise bad(f"entry {path!r} has an invalid dtype or shape")
         if e["chunking"] != "extent" or not isinstance(e["chunks"], list) or not all(map(_row_ok, e["chunks"])):
             raise bad(f"entry {path!r} has a malformed chunk row or chunking")
@@ -144,7 +122,7 @@ def parse_current(data: bytes, where: str, name: str) -> dict[str, Any]:
     """The live version a current ref names, checked; CorruptRepoError naming the file on damage."""
     doc = unseal_file(data, f"index ref {where}")
     version, log_start = doc.get("version"), doc.get("log_start")
-    if doc.get("name") != name or not _uint(version, MAX_STEP + 1) or version < 1 or not _uint(log_start):
+    if doc.get("name") != name or not is_uint(version, MAX_STEP + 1) or version < 1 or not is_uint(log_start):
         raise CorruptRepoError(f"index ref {where} is damaged: it does not name index {name!r} and a version; "
                                f"repair it with `luopan index rollback {name} VERSION`")
     return doc
