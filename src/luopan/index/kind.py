@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..format.limits import MAX_SMALL_BYTES
-from ..format.names import step_from_manifest_key
-from ..repository.kinds import Catalog, Kind
-from ..store.base import KeyNotFound, Store, Stray
+from ..repository.kinds import Catalog, Kind, scan_numbered
+from ..store.base import KeyNotFound, Store
 from .manifest import parse_current, parse_index_manifest
 from .names import (
     CURRENT_NAME,
@@ -16,7 +15,6 @@ from .names import (
     INDEX_PINS,
     INDEXES,
     LOG_DIR,
-    VERSIONS,
     check_index,
     current_ref_key,
     index_manifest_key,
@@ -36,33 +34,8 @@ def _in_log(parts: list[str]) -> bool:
 def scan(store: Store, name: str | None, strays: bool) -> Catalog:
     """Committed versions by index name (or of one ``name``, already checked); with ``strays``, what else lies under
     ``indexes/`` (or the name's directory) that is neither a manifest nor part of an op log."""
-    prefix = INDEXES if name is None else f"{INDEXES}{name}/"
-    cat = Catalog()
-    if strays:
-        keys, found = store.list_with_strays(prefix)
-    else:
-        keys, found = list(store.list(prefix)), []
-    for key in keys:
-        parts = key.split("/")
-        number = step_from_manifest_key(key) if len(parts) >= 4 and parts[-2] == VERSIONS else None
-        series = "/".join(parts[1:-2])
-        if number is not None and number >= 1 and is_index_name(series):
-            if name is None or series == name:
-                cat.steps.setdefault(series, []).append(number)
-            continue
-        if not strays or _in_log(parts):
-            continue
-        if name is not None and number is not None and number >= 1 and is_index_name(series):
-            continue  # a deeper index under this name's directory ("kb" vs "kb/main")
-        if number is not None and number >= 1:
-            cat.shadows.append(key)  # a manifest under an invalid name: kept by gc, never listed
-        cat.strays.append(Stray(key, "not an index snapshot manifest (indexes/<name>/_v/<version:08d>.json) or op log"))
-    for numbers in cat.steps.values():
-        numbers.sort()
-    if strays:
-        cat.strays.extend(s for s in found if not _in_log(s.key.split("/")))
-        cat.strays.sort(key=lambda s: s.key)
-    return cat
+    return scan_numbered(store, INDEXES, name, strays, is_series=is_index_name, own=_in_log,
+                         what="an index snapshot manifest (indexes/<name>/_v/<version:08d>.json) or op log")
 
 
 def _scan(store: Store, name: str | None, strays: bool) -> Catalog:

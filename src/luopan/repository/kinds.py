@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.config import RepoConfig
 from ..format.manifest import rows_of
+from ..format.names import step_from_manifest_key
 from ..store.base import Store, Stray
 
 if TYPE_CHECKING:  # pragma: no cover  (annotations only)
@@ -82,6 +83,41 @@ class Kind:
 
     def ref(self, series: str, number: int) -> str:
         return f"{series}@{number}"
+
+
+def scan_numbered(store: Store, root: str, name: str | None, strays: bool, *, is_series: Callable[[str], bool],
+                  what: str, first: int = 1, own: Callable[[list[str]], bool] = lambda _parts: False) -> Catalog:
+    """The catalog of a kind whose manifests are ``<root><series>/_v/<number:08d>.json`` (artifacts, journals,
+    indexes): committed numbers (>= ``first``) by series, or of one ``name`` (already checked). With ``strays``, what
+    else lies under ``root`` (or the name's directory) — except keys ``own(parts)`` claims for the kind (a log
+    directory) — is listed as a stray (``what`` says what was expected), and manifest-named files under invalid
+    series names are kept as shadows for gc."""
+    prefix = root if name is None else f"{root}{name}/"
+    cat = Catalog()
+    if strays:
+        keys, found = store.list_with_strays(prefix)
+    else:
+        keys, found = list(store.list(prefix)), []
+    for key in keys:
+        parts = key.split("/")
+        number = step_from_manifest_key(key) if len(parts) >= 4 and parts[-2] == "_v" else None
+        numbered = number is not None and number >= first
+        series = "/".join(parts[1:-2])
+        if numbered and is_series(series):
+            if name is None or series == name:  # else a deeper series under this name's directory
+                cat.steps.setdefault(series, []).append(number)
+            continue
+        if not strays or own(parts):
+            continue
+        if numbered:
+            cat.shadows.append(key)  # a manifest under an invalid name: kept by gc, never listed
+        cat.strays.append(Stray(key, f"not {what}"))
+    for numbers in cat.steps.values():
+        numbers.sort()
+    if strays:
+        cat.strays.extend(s for s in found if not own(s.key.split("/")))
+        cat.strays.sort(key=lambda s: s.key)
+    return cat
 
 
 def rows_by_pack(doc: dict[str, Any]) -> dict[str, dict[str, tuple[int, int, int, str]]]:
