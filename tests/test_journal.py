@@ -262,3 +262,15 @@ def test_snapshots_of_a_tiered_repository_replicate(tmp_path):
     remote = luopan.open(tmp_path / "remote")
     remote.verify()
     assert remote.du()["journals"] == 1
+
+
+def test_log_files_are_the_journals_own_and_other_files_are_strays(tmp_path):
+    d = tmp_path / "repo"
+    with Journal(str(d), name="agent") as j:
+        j.append({"a": 1})
+        j.compact({"s": 1})
+        j.append({"a": 2})
+    (d / "journals" / "agent" / "notes.txt").write_text("mine")
+    report = luopan.open(d).verify()
+    strays = [s.key for s in report.strays]
+    assert strays == ["journals/agent/notes.txt"]  # the segments and LOCK under log/ are not strays

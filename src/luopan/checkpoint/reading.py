@@ -45,7 +45,11 @@ class Reading(RepositoryCore):
             check_run(run)
             return catalog.scan(self.store, run, strays=True).strays
         seen = {s.key: s for s in catalog.scan(self.store, strays=True).strays}
-        if everywhere:  # a walk of every key: packs/ too (a full listing on an object store)
+        if everywhere:  # every kind's own strays, then a walk of every key: packs/ too (a full listing on S3)
+            for kind in self.kinds:
+                if kind.root != catalog.RUNS:
+                    for s in kind.scan(self.store, None, True).strays:
+                        seen.setdefault(s.key, s)
             for s in self.store.strays(""):
                 if not s.key.startswith(catalog.RUNS):  # runs/ as the catalog sees it (its walk starts there)
                     seen.setdefault(s.key, s)
