@@ -29,7 +29,8 @@ from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import Store
 from .environment import code_version, environment
 from ..repository.parallel import WORKERS, ordered_map
-from ..repository.packwriter import PackChecker, PackWriter, compressor, exists_quietly
+from ..repository.blobcodec import encode_blob
+from ..repository.packwriter import PackChecker, PackWriter, exists_quietly
 from .request import SaveRequest
 from .rowdelta import Decision, DeltaPolicy, RowTrack, plan_table
 
@@ -102,6 +103,7 @@ class _CheckpointWriter:
         self.decisions: dict[int, Decision] = {}
         self.skipped: set[int] = set()
         self.entries: list[dict[str, Any]] = []
+        self.itemsizes: list[int] = []  # per target: element width for the float codec (0: unknown)
         for leaf in req.leaves:
             e: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "dtype": leaf.dtype,
                                  "shape": list(leaf.shape), "nbytes": leaf.nbytes}
@@ -111,9 +113,11 @@ class _CheckpointWriter:
                 e["alias_of"] = leaf.alias_of
             self.entries.append(e)
             self.rows.append([])
+            self.itemsizes.append(leaf.itemsize if leaf.float_like else 0)
 
-    def _target(self) -> int:
+    def _target(self, itemsize: int = 0) -> int:
         self.rows.append([])
+        self.itemsizes.append(itemsize)
         return len(self.rows) - 1
 
     def _usable(self, chunks: list[tuple[str, int, str]]) -> bool:
@@ -188,12 +192,14 @@ class _CheckpointWriter:
             h = prev[0]  # unchanged since the previous save: its content address stands
         else:
             h = blake3.blake3(view).hexdigest()
-        compression = self.ctx.config.compression
-        if compression.codec == "zstd" and h not in self.ctx.known:
-            z = compressor(compression.level).compress(view)
-            if len(z) < len(view):
-                return i, h, memoryview(z), len(view), "zstd", x
+        if h not in self.ctx.known:
+            codec, stored = encode_blob(view, self.ctx.config.compression, self._itemsize(i))
+            return i, h, stored, len(view), codec, x
         return i, h, view, len(view), "none", x
+
+    def _itemsize(self, target: int) -> int:
+        """Element width of a target's bytes for the float codec (0: not one numeric type)."""
+        return self.itemsizes[target] if target < len(self.itemsizes) else 0
 
     def store_chunks(self) -> None:
         """Hash every chunk on both cores, write those the store lacks into packs, then the index file naming

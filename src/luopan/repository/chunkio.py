@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
-import zstandard
 
 from ..errors import (
     CorruptPackError,
@@ -22,6 +21,7 @@ from ..format.limits import MAX_TRAILER_BYTES
 from ..format.names import pack_key
 from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer
 from ..store.base import KeyNotFound, Store
+from .blobcodec import decode_blob
 from .parallel import WORKERS, ordered_map
 
 _tls = threading.local()
@@ -104,13 +104,7 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | 
             data = store.get_range(key, ref.offset, ref.length)
             if len(data) != ref.length:
                 raise CorruptPackError(f"pack truncated: {ref.where()} has {len(data)} of {ref.length} bytes")
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=ref.size)
-            except zstandard.ZstdError as exc:
-                raise CorruptPackError(f"corrupt compressed blob: {ref.where()}: {exc}") from None
-            if len(raw) != ref.size:
-                raise CorruptPackError(f"corrupt compressed blob: {ref.where()} decompressed to {len(raw)} bytes")
-            out[:] = raw
+            out[:] = decode_blob(ref.codec, data, ref.size, ref.where())
     except KeyNotFound:
         raise MissingPackError(f"missing pack: {ref.where()}: {key} is not in the repository") from None
     actual = blake3.blake3(out).hexdigest()

@@ -3,30 +3,19 @@ against chunks whose pack is present and intact (docs/format.md §6, §10)."""
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import zstandard
-
 from ..format.manifest import rows_of
 from ..format.names import pack_key
 from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import KeyNotFound, Store
+from .blobcodec import compressor  # noqa: F401  (importable from here as before)
 from .chunkio import check_pack_trailer
 
-_tls = threading.local()
 PACK_WRITES_IN_FLIGHT = 3
-
-
-def compressor(level: int) -> zstandard.ZstdCompressor:
-    c = getattr(_tls, "zstd", None)
-    if c is None or _tls.zstd_level != level:
-        c = _tls.zstd = zstandard.ZstdCompressor(level=level)
-        _tls.zstd_level = level
-    return c
 
 
 @dataclass
