@@ -459,7 +459,9 @@ def test_tiered_artifacts_replicate_evict_and_read_back(tmp_path):
     from luopan.format.canonical import unseal
 
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with luopan.open(local, replicate_to=str(remote), local_retention=luopan.retention.KeepLast(1)) as repo:
+    # compression="none": an "auto" config is itself version 5 (§3), and this checks the raise to the artifacts' 3
+    with luopan.open(local, replicate_to=str(remote), local_retention=luopan.retention.KeepLast(1),
+                     compression="none") as repo:
         art = repo.artifact("ds/x")
         payloads = [os.urandom(300_000) for _ in range(3)]
         for p in payloads:

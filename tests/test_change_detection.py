@@ -4,11 +4,13 @@ import numpy as np
 import pytest
 
 import luopan
+from luopan.checkpoint import deltaplan as plan_mod
 from luopan.checkpoint import save as save_mod
 
 
 def count_calls(monkeypatch, module_name, func_name):
-    """Replace save_mod.<module_name>.<func_name> with a wrapper recording the size of each call's data."""
+    """Replace <module_name>.<func_name> in the save pipeline (luopan.checkpoint.save, and the delta planner, which
+    hashes delta candidates) with a wrapper recording the size of each call's data."""
     calls = []
     real = getattr(getattr(save_mod, module_name), func_name)
 
@@ -16,7 +18,8 @@ def count_calls(monkeypatch, module_name, func_name):
         calls.append(len(data))
         return real(data)
 
-    monkeypatch.setattr(save_mod, module_name, type("Counting", (), {func_name: staticmethod(counting)}))
+    for mod in (save_mod, plan_mod):
+        monkeypatch.setattr(mod, module_name, type("Counting", (), {func_name: staticmethod(counting)}))
     return calls
 
 

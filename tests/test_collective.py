@@ -12,6 +12,8 @@ import time
 
 import pytest
 import torch
+
+from luopan.format.canonical import inflate_json
 from typer.testing import CliRunner
 
 import luopan
@@ -92,7 +94,7 @@ def test_group_needs_torch_distributed(repo):
 # -- sharded entries (issue 12, part 3): luopan.Shard, DTensor ------------------------------------------------------
 def reseal_manifest(repo_path, run, step, edit):
     path = repo_path / "runs" / run / "ckpt" / f"{step:08d}.json"
-    doc = json.loads(path.read_bytes())
+    doc = json.loads(inflate_json(path.read_bytes()))  # a zstd frame in format-5 repositories (docs/format.md §4)
     doc.pop("checksum")
     edit(doc)
     path.write_bytes(seal(doc))

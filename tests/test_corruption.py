@@ -92,9 +92,10 @@ def assert_other_checkpoint_intact(root, step=1, state_fn=make_state):
 
 @pytest.fixture
 def two_steps(tmp_path):
-    """A repository with steps 1 and 2 of RUN that share no pack."""
+    """A repository with steps 1 and 2 of RUN that share no pack (manifests as plain sealed JSON: the tests below
+    damage it byte by byte; compressed manifests are covered by test_damaged_compressed_manifest_is_corrupt)."""
     root = str(tmp_path / "repo")
-    repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE)
+    repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE, compression="none")
     repo.save(RUN, 1, make_state(1))
     repo.save(RUN, 2, make_state(2))
     m1, m2 = repo.manifest(RUN, 1), repo.manifest(RUN, 2)
@@ -208,6 +209,31 @@ def test_flipped_byte_in_manifest_raises_corrupt_manifest_error(two_steps, where
     offset = {"first-byte": 0, "inside-a-chunk-hash": _middle_of_a_hash(data), "last-byte": len(data) - 1,
               "non-utf8": _middle_of_a_hash(data)}[where]
     flip(path, offset, 0x80 if where == "non-utf8" else 0x01)
+    _assert_manifest_2_damaged(root)
+
+
+@pytest.mark.parametrize("damage", ["first-byte", "middle", "last-byte", "truncated", "frame-claims-1GiB-more"])
+def test_damaged_compressed_manifest_is_corrupt(tmp_path, damage):
+    """Repositories of format_version 5 store checkpoint manifests as a zstd frame of the sealed JSON (§4)."""
+    root = str(tmp_path / "repo")
+    repo = luopan.open(root, chunk_size=CHUNK_SIZE, pack_size=PACK_SIZE, compression="auto")
+    repo.save(RUN, 1, make_state(1))
+    repo.save(RUN, 2, make_state(2))
+    repo.close()
+    path = manifest_path(root, 2)
+    data = open(path, "rb").read()
+    assert data[:4] == b"\x28\xb5\x2f\xfd"  # a zstd frame
+    if damage == "truncated":
+        truncate(path, len(data) // 2)
+    elif damage == "frame-claims-1GiB-more":
+        import zstandard
+
+        c, mib = zstandard.ZstdCompressor().compressobj(), b" " * (1 << 20)
+        bomb = b"".join(c.compress(mib) for _ in range(1025)) + c.flush()  # ~100 KiB that inflate past 1 GiB
+        with open(path, "wb") as f:
+            f.write(bomb)
+    else:
+        flip(path, {"first-byte": 5, "middle": len(data) // 2, "last-byte": len(data) - 1}[damage])
     _assert_manifest_2_damaged(root)
 
 

@@ -75,13 +75,22 @@ def check_manifest(doc: dict[str, Any]) -> None:
     assert m.entries and m.tree
 
 
-def check_delta_entry(entry: dict[str, Any]) -> None:
+def check_delta_entry(entry: dict[str, Any], version: int = 2) -> None:
     """The §5.2 row-delta entry (abbreviated: one base chunk shown) against the manifest schema."""
     doc = json.loads(_sample_of("## 8."))
     doc = expand(doc)
-    doc.update(format_version=2, entries=[entry], tree={"entry": 0})
+    doc.update(format_version=version, entries=[entry], tree={"entry": 0})
     doc.pop("checksum")
     _validator()(doc)
+
+
+def check_xor_entry(entry: dict[str, Any]) -> None:
+    """The §5.4 XOR-delta entry, in a manifest of its packs, through the full manifest reader."""
+    check_delta_entry(entry, 5)
+    doc = expand(json.loads(_sample_of("## 8.")))
+    doc.update(format_version=5, entries=[entry], tree={"entry": 0}, packs=[doc["packs"][0], "c" * 64])
+    m = parse_manifest(sealed(doc), "runs/run-a/ckpt/00000100.json", "run-a", 100)
+    assert len(m.entries[0]["xor"]["chunks"]) == len(m.entries[0]["chunks"]) == 2
 
 
 def check_typed_nodes(nodes: list[dict[str, Any]]) -> None:
@@ -126,6 +135,8 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return lambda d: RepoConfig.from_bytes(sealed(d), "luopan.json")
     if heading.startswith("### 5.2"):
         return check_delta_entry
+    if heading.startswith("### 5.4"):
+        return check_xor_entry
     if heading.startswith("## 6."):
         return check_pack
     if heading.startswith("## 7."):

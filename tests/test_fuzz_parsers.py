@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from luopan.format.config import CONFIG_CODECS
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -162,7 +164,7 @@ POST: dict[str, Callable[[Any], None]] = {
     "manifest": _post_manifest,
     "index": _post_index,
     "pack": _post_pack,
-    "config": lambda c: (_int(c.chunk_size) and _int(c.pack_size) and c.compression.codec in CODECS) or 1 / 0,
+    "config": lambda c: (_int(c.chunk_size) and _int(c.pack_size) and c.compression.codec in CONFIG_CODECS) or 1 / 0,
     "ref": _post_doc(manifest=str, step=int, manifest_checksum=str),
     "pin": _post_doc(run=str, step=int, created=str, tag=(str, type(None))),
     "lock": _post_lock,

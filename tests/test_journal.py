@@ -216,7 +216,7 @@ def test_a_damaged_snapshot_chunk_is_found(tmp_path):
     d = str(tmp_path / "repo")
     with Journal(d) as j:
         j.append({"a": 1})
-        j.compact(b"S" * 100_000)
+        j.compact(os.urandom(100_000))  # incompressible: stored raw, so offset 100 is inside the chunk
     pack = glob.glob(os.path.join(d, "packs", "*", "*"))[0]
     with open(pack, "r+b") as f:
         f.seek(100)

@@ -1,5 +1,6 @@
 """Row deltas (docs/format.md §5.2): sparse table updates stored as base chunks + changed rows, depth 1."""
 
+import dataclasses
 import json
 import os
 
@@ -51,15 +52,17 @@ def test_scattered_rows_become_a_delta_and_load_exactly(tmp_path):
         infos.append(repo.save("run", step, state))
         saved[step] = emb.copy()
     kinds = ["delta" in repo.manifest("run", s).entry("emb") for s in range(6)]
-    # step 0: first save; step 1: the first change is stored in full (row digests start); then deltas
-    assert kinds == [False, False, True, True, True, True]
-    for s in range(2, 6):
+    # step 0: first save (the base); from the first change on, deltas: the changed chunks are compared with the
+    # base's bytes read back from the repository, then row digests take over
+    assert kinds == [False, True, True, True, True, True]
+    for s in range(1, 6):
         d = repo.manifest("run", s).entry("emb")["delta"]
-        assert d["base_step"] == 1
-        assert d["rows"] == len(np.unique(np.concatenate([scattered(20, k) for k in range(2, s + 1)])))
+        assert d["base_step"] == 0
+        assert d["rows"] == len(np.unique(np.concatenate([scattered(20, k) for k in range(1, s + 1)])))
         assert infos[s].new_bytes <= d["rows"] * (DIM * 4 + 8) + 64  # the patch, not the table
-        assert repo.manifest("run", s).doc["format_version"] == 2
-    assert repo.manifest("run", 1).doc["format_version"] == 1  # no delta: still readable by version-1 readers
+        assert repo.manifest("run", s).doc["format_version"] == 5  # deltas carry the writer's cycle hint (§5.2)
+        assert d["cycle"][1] == s + 1  # the base and s deltas
+    assert repo.manifest("run", 0).doc["format_version"] in (1, 5)  # 5 only where a format-5 codec was used
     for s, expected in saved.items():
         assert np.array_equal(repo.load("run", s)["emb"], expected)
         target = {"emb": np.zeros_like(emb), "step": 0}
@@ -137,27 +140,28 @@ def test_patch_past_the_rebase_fraction_writes_a_new_base(tmp_path):
         steps.append(e["delta"]["base_step"] if "delta" in e else None)
         assert "delta" not in e or e["delta"]["rows"] <= budget_rows
         assert np.array_equal(repo.load("run", step)["emb"], emb)
-    # 1: first change (full); 2-4: deltas on base 1 (60, ~119, ~177 rows); 5: over budget, rebase; 6-7 on base 5
-    assert steps == [None, 1, 1, 1, None, 5, 5]
+    # 1-3: deltas on base 0 (60, ~119, ~177 rows); 4: over budget, rebase; 5-7 on base 4
+    assert steps == [0, 0, 0, None, 4, 4, 4]
 
 
 def test_dense_update_stores_in_full_and_pauses_detection(tmp_path):
-    repo = open_repo(tmp_path / "r")
+    repo = open_repo(tmp_path / "r", dataclasses.replace(POLICY, xor=False))  # row deltas alone
     emb = table()
     repo.save("run", 0, {"emb": emb})
     emb[scattered(10, 1)] += 1
-    repo.save("run", 1, {"emb": emb})  # full: tracking starts
+    repo.save("run", 1, {"emb": emb})  # a delta against step 0
     emb += 1  # dense
-    repo.save("run", 2, {"emb": emb})
+    repo.save("run", 2, {"emb": emb})  # full: the new base
     emb[scattered(10, 3)] += 1
     repo.save("run", 3, {"emb": emb})  # detection paused for one save: full
     emb[scattered(10, 4)] += 1
-    repo.save("run", 4, {"emb": emb})  # digests computed again: full
+    repo.save("run", 4, {"emb": emb})  # compared with its base (step 3) again: a delta
     emb[scattered(10, 5)] += 1
     repo.save("run", 5, {"emb": emb})
     kinds = ["delta" in repo.manifest("run", s).entry("emb") for s in range(6)]
-    assert kinds == [False, False, False, False, False, True]
-    assert repo.manifest("run", 5).entry("emb")["delta"]["rows"] == 10
+    assert kinds == [False, True, False, False, True, True]
+    assert repo.manifest("run", 4).entry("emb")["delta"]["rows"] == 10
+    assert repo.manifest("run", 5).entry("emb")["delta"]["rows"] == len(np.union1d(scattered(10, 4), scattered(10, 5)))
     assert np.array_equal(repo.load("run", 5)["emb"], emb)
 
 
@@ -333,8 +337,12 @@ def test_small_and_one_dimensional_entries_are_never_deltas(tmp_path):
         small[step] += 1
         repo.save("run", step, {"vec": vec, "small": small})
     m = repo.manifest("run", 3)
-    assert "delta" not in m.entry("vec") and "delta" not in m.entry("small")
-    assert m.doc["format_version"] == 1
+    assert not {"delta", "xor"} & (set(m.entry("vec")) | set(m.entry("small")))
+    repo = open_repo(tmp_path / "plain", compression="none")
+    for step in range(2):
+        vec[step * 1000] += 1
+        repo.save("run", step, {"vec": vec, "small": small})
+    assert repo.manifest("run", 1).doc["format_version"] == 1  # nothing of format 5 was used
 
 
 def test_disabled_policy_stores_plain_chunks(tmp_path):
@@ -364,15 +372,14 @@ def test_cli_show_marks_delta_entries(tmp_path):
     r = CliRunner().invoke(app, ["show", "-r", str(tmp_path / "r"), "run", "2", "--json"])
     assert r.exit_code == 0, r.output
     entry = json.loads(r.stdout)["entries"][0]
-    assert entry["delta"] == {"base_step": 1, "rows": repo.manifest("run", 2).entry("emb")["delta"]["rows"]}
+    assert entry["delta"] == {"base_step": 0, "rows": repo.manifest("run", 2).entry("emb")["delta"]["rows"]}
 
 
 def test_rebase_comes_when_another_delta_would_raise_the_average_bytes_per_save(tmp_path):
     repo = open_repo(tmp_path / "r", luopan.DeltaPolicy(min_bytes=1 << 20, rebase_fraction=0.9))
     emb = table()
     row_cost = DIM * 4 + 8
-    repo.save("run", 0, {"emb": emb})
-    written, kinds = [], []
+    written, kinds = [repo.save("run", 0, {"emb": emb}).new_bytes], [False]
     for step in range(1, 9):
         emb[scattered(600, step)] += 1  # ~15% of the rows per save: the cumulative patch grows fast
         info = repo.save("run", step, {"emb": emb})
@@ -383,8 +390,8 @@ def test_rebase_comes_when_another_delta_would_raise_the_average_bytes_per_save(
     first_delta = kinds.index(True)
     rebase = kinds.index(False, first_delta)  # the cap (90%) is never reached: the average rule rebases
     cycle = written[first_delta - 1 : rebase]  # the base and its deltas
-    patch_rows_at_rebase = len(np.unique(np.concatenate([scattered(600, s) for s in range(first_delta + 1,
-                                                                                          rebase + 2)])))
+    patch_rows_at_rebase = len(np.unique(np.concatenate([scattered(600, s) for s in range(first_delta,
+                                                                                          rebase + 1)])))
     assert patch_rows_at_rebase * row_cost < 0.9 * emb.nbytes
     assert patch_rows_at_rebase * row_cost * len(cycle) > sum(cycle) - 4096 * len(cycle)  # over the average
 
@@ -392,7 +399,7 @@ def test_rebase_comes_when_another_delta_would_raise_the_average_bytes_per_save(
 def test_a_row_a_hint_missed_is_caught_by_the_next_save_without_hint(tmp_path):
     repo = open_repo(tmp_path / "r")
     emb = table()
-    for step in range(2):  # step 1: the first change is stored in full and row tracking starts
+    for step in range(2):  # step 1: a delta of 10 rows against step 0
         emb[scattered(10, step)] += 1
         repo.save("run", step, {"emb": emb})
     emb[100] += 1
@@ -401,7 +408,7 @@ def test_a_row_a_hint_missed_is_caught_by_the_next_save_without_hint(tmp_path):
     emb[3000] += 1
     repo.save("run", 3, {"emb": emb})  # no hint: the block the hint updated is re-examined row by row
     e = repo.manifest("run", 3).entry("emb")
-    assert e["delta"]["rows"] == 3
+    assert e["delta"]["rows"] == len(np.union1d(scattered(10, 1), [100, 101, 3000]))
     assert np.array_equal(repo.load("run", 3)["emb"], emb)
 
 

@@ -49,10 +49,6 @@ def itemsize(kind: str, dtype: str) -> int | None:
     return dt.itemsize
 
 
-# Floating-point dtype names (NumPy names and torch suffixes, docs/format.md §8) -> bytes per element.
-FLOAT_ITEMSIZES = {"float16": 2, "bfloat16": 2, "half": 2, "float32": 4, "float": 4, "float64": 8, "double": 8}
-
-
 @dataclass
 class Leaf:
     """One tensor entry of a flattened tree."""
@@ -68,14 +64,9 @@ class Leaf:
     frozen: memoryview | None = None  # a snapshot of the bytes (save_async), used instead of obj
 
     @property
-    def float_like(self) -> bool:
-        """Whether the entry's elements are floating-point numbers (the float codec's candidates)."""
-        return self.dtype in FLOAT_ITEMSIZES
-
-    @property
     def itemsize(self) -> int:
-        """Bytes per element for floating-point entries (0 for others)."""
-        return FLOAT_ITEMSIZES.get(self.dtype, 0)
+        """Bytes per element of floating-point entries, the float codec's candidates (0 for others)."""
+        return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}.get(self.dtype, 0)
 
     def host_bytes(self) -> memoryview:
         """The entry's raw C-order bytes in host memory, as a flat byte view (copies only when it must)."""

@@ -20,7 +20,7 @@ from ..format.manifest import Manifest, rows_of
 from ..store.base import Store
 from ..repository.parallel import WORKERS, ordered_map
 from ..repository.chunkio import ChunkRef, read_chunk, read_chunks
-from .read import PendingDelta, check_rows, chunk_refs, delta_jobs
+from .read import PendingDelta, PendingXor, check_rows, chunk_refs, delta_jobs
 
 # safetensors dtype codes, by luopan dtype name (torch names and NumPy names coincide where both exist)
 SAFETENSORS_DTYPES = {
@@ -69,7 +69,7 @@ def export_safetensors(
     header: dict[str, Any] = {"__metadata__": {
         "format": "pt", "luopan.run": m.run, "luopan.step": str(m.step), "luopan.fingerprint": m.doc["fingerprint"],
     }}
-    refs: list[tuple[ChunkRef, int, PendingDelta | None]] = []  # (chunk, its offset in the entry, row delta)
+    refs: list[tuple[ChunkRef, int, PendingDelta | PendingXor | None]] = []  # (chunk, its offset in the entry, row delta)
     offset = 0
     for name, i in selected:
         e = m.entries[i]
@@ -88,8 +88,8 @@ def export_safetensors(
         offset += e["nbytes"]
         source = e.get("alias_of", i)  # tied tensors are written once per name (safetensors shares nothing)
         delta = deltas.get(source)
-        if delta is None and "delta" in m.entries[source]:  # read the (small) row delta first, then patch chunks
-            delta, jobs = delta_jobs(m, source)
+        if delta is None and ("delta" in m.entries[source] or "xor" in m.entries[source]):
+            delta, jobs = delta_jobs(m, source, store, sizes)  # a (small) row delta first, then patch chunks
             read_chunks(store, jobs, sizes=sizes)
             deltas[source] = delta
         refs += [(ref, pos, delta) for pos, ref in chunk_refs(m, source)]
@@ -98,7 +98,7 @@ def export_safetensors(
 
     tmp = f"{out_path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def fetch(job: tuple[ChunkRef, int, PendingDelta | None]) -> bytearray:
+    def fetch(job: tuple[ChunkRef, int, PendingDelta | PendingXor | None]) -> bytearray:
         ref, pos, delta = job
         sizes.check(ref)  # before the buffer is sized by the row
         buf = bytearray(ref.size)

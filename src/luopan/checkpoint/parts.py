@@ -16,17 +16,19 @@ import xxhash
 
 from .. import typed
 from ..errors import CheckpointExistsError, MissingPackError, UnsupportedValueError
-from ..format import BASE_FORMAT_VERSION
+from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
 from ..format.canonical import sealed_checksum
 from ..format.chunking import chunk_spans
+from ..format.canonical import compress_json
 from ..format.index import build_index
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import encode_metrics, parse_manifest, seal_manifest, structure_fingerprint
 from ..format.names import check_run, check_step, index_key, latest_ref_key, manifest_key, pack_key
-from ..format.pack import BlobLocation
+from ..format.pack import ENGINE2_CODECS, BlobLocation
 from ..format.refs import build_ref
 from ..repository.locks import locked
-from ..repository.packwriter import PackChecker, PackWriter, compressor, exists_quietly
+from ..repository.blobcodec import encode_blob
+from ..repository.packwriter import PackChecker, PackWriter, exists_quietly
 from ..repository.parallel import WORKERS, ordered_map
 from ..tree import flatten
 from .environment import code_version, environment
@@ -67,7 +69,7 @@ class Parts(Saving):
 
     def _store_locked(self, leaves: list[Any]) -> StoredEntries:
         known = self.chunk_index()
-        codec, level = self.config.compression.codec, self.config.compression.level
+        compression = self.config.compression
         writer = PackWriter(self.store, self.config.pack_size, self._intact_packs)
         checker = PackChecker(self.store, self._intact_packs)
         rows: list[list[tuple[str, int, str]]] = [[] for _ in leaves]
@@ -94,10 +96,9 @@ class Parts(Saving):
             # place keeps that BLAKE3 address (rows this process computed itself, never ones read from disk)
             h = prev[0] if prev is not None and prev[1] == len(view) and prev[2] == x else \
                 blake3.blake3(view).hexdigest()
-            if codec == "zstd" and h not in known:
-                z = compressor(level).compress(view)
-                if len(z) < len(view):
-                    return i, h, memoryview(z), len(view), "zstd", x
+            if h not in known:
+                codec, stored = encode_blob(view, compression, leaves[i].itemsize)
+                return i, h, stored, len(view), codec, x
             return i, h, view, len(view), "none", x
 
         index_name = None
@@ -112,7 +113,8 @@ class Parts(Saving):
                     new[h] = (builder, off, len(stored), size, blob_codec)
             writer.finish()
             if writer.written:
-                index_id, index_bytes = build_index(writer.written)
+                index_id, index_bytes = build_index(
+                    writer.written, compress=self.config.format_version >= ENGINE2_FORMAT_VERSION)
                 index_name = index_key(index_id)
                 self.store.put_if_absent(index_name, index_bytes)
         except BaseException:
@@ -150,8 +152,11 @@ class Parts(Saving):
             e = dict(e)
             e["chunks"] = [[r[0], packs.setdefault(r[1], len(packs)), *r[2:]] for r in e["chunks"]]
             out.append(e)
+        version = typed.TYPED_FORMAT_VERSION if typed.present(tree) or extra else BASE_FORMAT_VERSION
+        if any(r[5] in ENGINE2_CODECS for e in out for r in e["chunks"]):
+            version = ENGINE2_FORMAT_VERSION  # docs/format.md §6.1: older luopan cannot decode these blobs
         doc: dict[str, Any] = {
-            "format_version": typed.TYPED_FORMAT_VERSION if typed.present(tree) or extra else BASE_FORMAT_VERSION,
+            "format_version": version,
             "run": run, "step": step, "created": datetime.now(timezone.utc).isoformat(),
             "metrics": encode_metrics(metrics), "metadata": dict(metadata or {}), "environment": environment(),
             "fingerprint": structure_fingerprint(out), "packs": list(packs), "entries": out, "tree": tree,
@@ -169,6 +174,8 @@ class Parts(Saving):
         if len(data) > MAX_MANIFEST_BYTES:
             raise UnsupportedValueError(f"the manifest of run {run!r} step {step} would be {len(data)} bytes, more "
                                         f"than readers accept ({MAX_MANIFEST_BYTES}): use a larger chunk_size")
+        if self.config.format_version >= ENGINE2_FORMAT_VERSION:  # docs/format.md §4: a zstd frame of it
+            data = compress_json(data)
         key = manifest_key(run, step)
         parsed = parse_manifest(data, key, run, step)  # what readers will check, before it is visible
         with locked(self.store, "shared", f"commit of {run} step {step}", timeout=self.lock_timeout,

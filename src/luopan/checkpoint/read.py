@@ -3,6 +3,7 @@ are read (chunks are read and verified by luopan.repository.chunkio)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..format.manifest import Manifest, Row
-from ..repository.chunkio import ChunkRef, PackSizes, read_chunks
+from ..repository.chunkio import ChunkRef, PackSizes, read_chunk, read_chunks
 from ..store.base import Store
 from .rowdelta import apply_patch, decode_patch
 
@@ -19,8 +20,12 @@ def chunk_refs(m: Manifest, entry_index: int, part: str | None = None) -> Iterat
     """(byte offset, ChunkRef) for each chunk of an entry: its (base) chunks, or with ``part`` "index"/"values"
     those of its row delta (offsets within that part)."""
     e = m.entries[entry_index]
-    chunks = e.get("chunks", []) if part is None else e["delta"][part]
-    path = e["path"] if part is None else f"{e['path']} (row delta {part})"
+    if part is None:
+        chunks, path = e.get("chunks", []), e["path"]
+    elif part == "xor":
+        chunks, path = e["xor"]["chunks"], f"{e['path']} (XOR delta)"
+    else:
+        chunks, path = e["delta"][part], f"{e['path']} (row delta {part})"
     pos = 0
     for n, r in enumerate(map(Row._make, chunks)):
         yield pos, ChunkRef(f"run {m.run!r} step {m.step}", path, n, r.hash, m.packs[r.pack], r.offset, r.length, r.size, r.codec)
@@ -28,11 +33,14 @@ def chunk_refs(m: Manifest, entry_index: int, part: str | None = None) -> Iterat
 
 
 def all_chunk_refs(m: Manifest, entry_index: int) -> Iterator[ChunkRef]:
-    """Every chunk an entry needs: its (base) chunks and, for a row delta, the delta's index and values."""
+    """Every chunk an entry needs: its (base) chunks and, for a row delta, the delta's index and values, for an XOR
+    delta its chunks."""
     yield from (ref for _pos, ref in chunk_refs(m, entry_index))
     if "delta" in m.entries[entry_index]:
         for part in ("index", "values"):
             yield from (ref for _pos, ref in chunk_refs(m, entry_index, part))
+    if "xor" in m.entries[entry_index]:
+        yield from (ref for _pos, ref in chunk_refs(m, entry_index, "xor"))
 
 
 @dataclass
@@ -58,12 +66,48 @@ class PendingDelta:
         apply_patch(out, pos, *self.decode())
 
 
+class PendingXor:
+    """The XOR delta of one entry (docs/format.md §5.4): chunk k of it is XORed into base chunk k. Its chunks are
+    read (and verified) as the base chunks they apply to are, by the same worker."""
+
+    def __init__(self, store: Store, m: Manifest, entry_index: int, sizes: PackSizes | None) -> None:
+        self.store, self.sizes = store, sizes or PackSizes(store)
+        self.refs = list(chunk_refs(m, entry_index, "xor"))
+
+    def decode(self) -> None:
+        """Nothing to check ahead (the chunk sizes were checked with the manifest)."""
+
+    def apply(self, out: memoryview, pos: int = 0) -> None:
+        """XOR the delta into bytes [pos, pos + len(out)) of the entry held in ``out``."""
+        end = pos + len(out)
+        dest = np.frombuffer(out, dtype=np.uint8)
+        for xpos, ref in self.refs:
+            if xpos >= end or xpos + ref.size <= pos:
+                continue
+            self.sizes.check(ref)
+            buf = _xor_scratch(ref.size)
+            read_chunk(self.store, ref, buf, self.sizes)
+            a, b = max(pos, xpos), min(end, xpos + ref.size)
+            np.bitwise_xor(dest[a - pos : b - pos], np.frombuffer(buf, dtype=np.uint8)[a - xpos : b - xpos],
+                           out=dest[a - pos : b - pos])
+
+
+_tls = threading.local()
+
+
+def _xor_scratch(size: int) -> memoryview:
+    buf = getattr(_tls, "xor", None)
+    if buf is None or len(buf) < size:
+        buf = _tls.xor = bytearray(size)
+    return memoryview(buf)[:size]
+
+
 def entry_jobs(store: Store, m: Manifest, entry_index: int, dest: memoryview,
                sizes: PackSizes | None = None) -> list[Any]:
     """Read jobs that fill ``dest`` with an entry's bytes. A row delta's index and values are read (and verified)
     first; each base chunk is then patched by the worker that read it, so applying a delta costs little more than
-    reading the patch."""
-    delta, jobs = delta_jobs(m, entry_index)
+    reading the patch. An XOR delta's chunk is read and applied by the worker that read its base chunk."""
+    delta, jobs = delta_jobs(m, entry_index, store, sizes)
     if delta is None:
         return [(ref, dest[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)]
     read_chunks(store, jobs, sizes=sizes)
@@ -75,8 +119,14 @@ def entry_jobs(store: Store, m: Manifest, entry_index: int, dest: memoryview,
     return [(ref, dest[pos : pos + ref.size], patcher(pos)) for pos, ref in chunk_refs(m, entry_index)]
 
 
-def delta_jobs(m: Manifest, entry_index: int) -> tuple[PendingDelta | None, list[tuple[ChunkRef, memoryview]]]:
-    """Buffers and read jobs for an entry's row delta (None, [] when it has none)."""
+def delta_jobs(m: Manifest, entry_index: int, store: Store | None = None, sizes: PackSizes | None = None
+               ) -> tuple[PendingDelta | PendingXor | None, list[tuple[ChunkRef, memoryview]]]:
+    """Buffers and read jobs for an entry's row delta (None, [] when it has none). An XOR delta needs no reads
+    ahead: its ``apply`` reads the chunks it needs from ``store``."""
+    if "xor" in m.entries[entry_index]:
+        if store is None:
+            raise ValueError("an XOR delta is read from a store: pass store=")
+        return PendingXor(store, m, entry_index, sizes), []
     d = m.entries[entry_index].get("delta")
     if d is None:
         return None, []

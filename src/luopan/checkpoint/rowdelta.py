@@ -16,8 +16,6 @@ written in full (it becomes the base). A training loop that knows which rows it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,54 +31,85 @@ MAX_BACKOFF = 32  # saves without detection after a table was found densely upda
 
 @dataclass(frozen=True)
 class DeltaPolicy:
-    """When to store large tables as row deltas.
+    """When to store entries as deltas against a base version (docs/format.md §5.2, §5.4).
 
-    ``min_bytes``: tables (tensors with >= 2 dimensions) at least this large are candidates.
+    Row deltas: tables (tensors with >= 2 dimensions) at least ``min_bytes`` large are candidates.
     ``rebase_fraction``: the entry is written in full (and becomes the new base) once its patch (values + 8-byte
     indices) would exceed this fraction of its size (a cap on load work: a restore reads base + patch, so 0.08
     keeps it within ~1.1x of a full checkpoint's), or earlier, once another delta would raise the average bytes
     written per save since the base (docs/format.md §5.2, benchmarks P3 and P4).
-    ``enabled=False`` stores every entry as plain chunks.
+    XOR deltas (``xor=True``): an entry of at least ``xor_min_bytes`` that changed densely (a full fine-tune moves
+    every weight a little) is stored as its XOR against the base version, compressed, while that costs at most
+    ``xor_fraction`` of the entry's size and the same average rule holds. They only pay with compression on.
+    ``enabled=False`` stores every entry as plain chunks (no deltas of either kind).
     """
 
     enabled: bool = True
     min_bytes: int = 16 << 20
     rebase_fraction: float = 0.08
+    xor: bool = True
+    xor_min_bytes: int = 1 << 20
+    xor_fraction: float = 0.6
 
     def __post_init__(self) -> None:
-        if not isinstance(self.min_bytes, int) or self.min_bytes < 1:
-            raise UsageError(f"DeltaPolicy.min_bytes must be a positive int, got {self.min_bytes!r}")
-        if not (isinstance(self.rebase_fraction, (int, float)) and 0 < self.rebase_fraction < 1):
-            raise UsageError(f"DeltaPolicy.rebase_fraction must be between 0 and 1, got {self.rebase_fraction!r}")
+        for name in ("min_bytes", "xor_min_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UsageError(f"DeltaPolicy.{name} must be a positive int, got {v!r}")
+        for name in ("rebase_fraction", "xor_fraction"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1):
+                raise UsageError(f"DeltaPolicy.{name} must be between 0 and 1, got {v!r}")
 
     def eligible(self, leaf: Leaf) -> bool:
+        """A candidate for row deltas."""
         return (self.enabled and leaf.alias_of is None and not leaf.scalar and len(leaf.shape) >= 2
                 and leaf.shape[0] >= 2 and leaf.nbytes >= self.min_bytes)
+
+    def xor_eligible(self, leaf: Leaf) -> bool:
+        """A candidate for XOR deltas."""
+        return (self.enabled and self.xor and leaf.alias_of is None and not leaf.scalar
+                and leaf.nbytes >= self.xor_min_bytes)
+
+    def tracked(self, leaf: Leaf) -> bool:
+        return self.eligible(leaf) or self.xor_eligible(leaf)
 
 
 @dataclass(frozen=True)
 class RowTrack:
-    """What this process knows about one table entry after a committed save (per run, per entry path)."""
+    """What this process knows about one delta-candidate entry after a committed save (per run, per entry path).
+
+    A track read from a manifest on disk (the first save of a run in a process) has ``xxh=()`` and ``trusted=False``:
+    nothing of it is believed except the base chunks' BLAKE3 addresses, which are checked against the bytes."""
 
     layout: tuple[Any, ...]  # (kind, dtype, shape): a track only applies to the same layout
     xxh: tuple[str, ...]  # XXH3-128 of each chunk of the content that save stored
     digests: RowDigests | None  # row (and row-block) digests of that content; None: not tracked
     base_step: int  # the step whose full version is the base
-    base_chunks: list[list[Any]] | None  # that version's manifest chunk rows (set once the save commits)
-    patch: np.ndarray  # sorted row numbers differing from the base (empty: the entry is stored in full)
+    base_chunks: list[tuple[str, int, str]] | None  # that version's chunks (hash, size, xxh3), set once it commits
+    patch: np.ndarray  # sorted row numbers differing from the base (empty: not a row delta)
     skip: int = 0  # saves left without row detection (backoff after dense updates)
     backoff: int = 0
     cycle_bytes: int = 0  # bytes written for this entry since (and including) its base
     cycle_saves: int = 0  # saves since (and including) the base
+    form: str = "full"  # how that save stored it: "full", "rows" (row delta) or "xor" (XOR delta)
+    xor_bytes: int = 0  # bytes the last XOR delta of this entry stored (its cost estimate for the next one)
+    xor_skip: int = 0  # saves left without trying XOR deltas (backoff after one that did not pay)
+    xor_backoff: int = 0
+    trusted: bool = True  # False: read from disk, so xxh and patch are unknown (compare against the base bytes)
+    base_checked: bool = True  # the base chunks' XXH3s are this process's own (False: from disk, never used)
 
 
 @dataclass
 class Decision:
-    """The save pipeline's plan for one table entry."""
+    """The save pipeline's plan for one delta-candidate entry."""
 
     track: RowTrack  # the entry's track once this save commits (base_chunks filled in by the caller if full)
     xxh: list[str]  # chunk XXH3s of the current content (reused by the pipeline)
-    delta: tuple[np.ndarray, memoryview] | None = None  # (row numbers, their values) when stored as a delta
+    delta: tuple[np.ndarray, memoryview] | None = None  # (row numbers, their values) when stored as a row delta
+    xor: bool = False  # stored as XOR against the base chunks
+    hashes: list[str] | None = None  # BLAKE3 of the current chunks, when the plan computed them
+    same: list[bool] | None = None  # XOR deltas: chunks shown equal to the base's (their XOR is all zeros)
 
 
 def layout(leaf: Leaf) -> tuple[Any, ...]:
@@ -186,80 +215,7 @@ def normalise_hint(path: str, rows: Any, nrows: int) -> np.ndarray:
     return arr
 
 
-def plan_table(
-    leaf: Leaf,
-    data: memoryview,
-    spans: list[tuple[int, int]],
-    step: int,
-    track: RowTrack | None,
-    hint: np.ndarray | None,
-    policy: DeltaPolicy,
-    base_usable: Callable[[list[list[Any]]], bool],
-    pool: ThreadPoolExecutor,
-) -> Decision:
-    """Decide how to store one table entry this save: in full, or as base + patch."""
-    xs = list(pool.map(xxhash.xxh3_128_hexdigest, [data[o : o + n] for o, n in spans]))
-    nrows = leaf.shape[0]
-    rb = leaf.nbytes // nrows
-    full = RowTrack(layout(leaf), tuple(xs), None, step, None, _EMPTY)
-    if track is None or track.layout != layout(leaf) or track.base_chunks is None:
-        return Decision(full, xs)  # first save of this table in this process: nothing to compare with
-    changed_k = [k for k, (x, old) in enumerate(zip(xs, track.xxh)) if x != old]
-    changed = [spans[k] for k in changed_k]
-    if not changed:  # same content as the previous save: keep its form (base + the same patch, or full)
-        if track.patch.size and not base_usable(track.base_chunks):
-            return Decision(full, xs)
-        return Decision(track, xs, _gather(data, track.patch, rb) if track.patch.size else None)
-    changed_mask, in_changed = rows_in_spans(changed, rb, nrows)
-    digests = track.digests
-    touched = None
-    xxh_track = full.xxh
-    if hint is not None:
-        touched = hint[changed_mask[hint]]  # rows in unchanged chunks did not change
-        if not _covers(changed, touched, rb, nrows):
-            touched = None  # a chunk changed without any touched row: the hint is incomplete, look at the rows
-        else:
-            if digests is not None:
-                digests = digests.with_rows(data, rb, touched)
-            # Rows of these chunks the hint did not name were not looked at: the next save re-examines them.
-            unseen = set(changed_k)
-            xxh_track = tuple("" if k in unseen else x for k, x in enumerate(xs))
-    if touched is None:
-        if digests is None or track.skip > 0:
-            if track.skip > 0:  # densely updated recently: store in full without looking at rows
-                return Decision(RowTrack(full.layout, full.xxh, None, step, None, _EMPTY,
-                                         track.skip - 1, track.backoff), xs)
-            # Changed for the first time since this process saw it: start tracking rows from this version.
-            return Decision(RowTrack(full.layout, full.xxh, RowDigests.of(data, rb), step, None, _EMPTY,
-                                     0, track.backoff), xs)
-        touched, digests = digests.detect(data, rb, in_changed)
-    patch = np.union1d(track.patch, touched)
-    if patch.size == 0:  # the content is the base's again: store it plainly (its chunks deduplicate)
-        return Decision(RowTrack(full.layout, xxh_track, digests, step, None, _EMPTY), xs)
-    budget = policy.rebase_fraction * leaf.nbytes
-    cost = patch.size * (rb + 8)
-    # Rebase when another delta would raise the average bytes per save since the base (the patch is cumulative,
-    # so it only grows; for a growing patch this minimises bytes written), or when it passes the cap.
-    if cost <= budget and cost * track.cycle_saves <= track.cycle_bytes and base_usable(track.base_chunks):
-        return Decision(RowTrack(full.layout, xxh_track, digests, track.base_step, track.base_chunks, patch,
-                                 cycle_bytes=track.cycle_bytes + cost, cycle_saves=track.cycle_saves + 1),
-                        xs, _gather(data, patch, rb))
-    if touched.size * (rb + 8) > budget:  # dense update: stop looking at rows for a while
-        backoff = min(MAX_BACKOFF, max(1, 2 * track.backoff))
-        return Decision(RowTrack(full.layout, full.xxh, None, step, None, _EMPTY, backoff, backoff), xs)
-    return Decision(RowTrack(full.layout, xxh_track, digests, step, None, _EMPTY), xs)  # rebase
-
-
-def _covers(spans: list[tuple[int, int]], rows: np.ndarray, row_bytes: int, nrows: int) -> bool:
-    """Whether every span holds at least one of the sorted ``rows``."""
-    for off, length in spans:
-        r0, r1 = off // row_bytes, min(nrows, -(-(off + length) // row_bytes))
-        if np.searchsorted(rows, r0) == np.searchsorted(rows, r1):
-            return False
-    return True
-
-
-def _gather(data: memoryview, rows: np.ndarray, row_bytes: int) -> tuple[np.ndarray, memoryview]:
+def gather(data: memoryview, rows: np.ndarray, row_bytes: int) -> tuple[np.ndarray, memoryview]:
     table = np.frombuffer(data, dtype=np.uint8).reshape(-1, row_bytes)
     return rows, memoryview(np.ascontiguousarray(table[rows]).reshape(-1))
 

@@ -15,24 +15,27 @@ import xxhash
 
 from .. import typed
 from .._crash import crashpoint
-from ..format import BASE_FORMAT_VERSION
-from ..errors import CheckpointExistsError, LuopanError, UnsupportedValueError
-from ..format.canonical import sealed_checksum
+from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
+from ..errors import LuopanError
 from ..format.chunking import chunk_spans
 from ..format.config import RepoConfig
 from ..format.index import build_index
-from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.manifest import Row, encode_metrics, seal_manifest, structure_fingerprint
-from ..format.names import index_key, latest_ref_key, manifest_key
-from ..format.refs import build_ref
+from ..format.manifest import Row, encode_metrics, structure_fingerprint, uses_new_codecs
+from ..format.names import index_key
 from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import Store
 from .environment import code_version, environment
 from ..repository.parallel import WORKERS, ordered_map
 from ..repository.blobcodec import encode_blob
 from ..repository.packwriter import PackChecker, PackWriter, exists_quietly
+from .commit import commit_manifest
 from .request import SaveRequest
-from .rowdelta import Decision, DeltaPolicy, RowTrack, plan_table
+from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
+from .deltaplan import BaseReadError, PlanContext, base_scratch, plan_entry, xor_into, zero_chunk
+from .rowdelta import MAX_BACKOFF, Decision, DeltaPolicy, RowTrack
+
+# A chunk to store: (target, bytes, previous row, precomputed XXH3, base chunk to XOR with).
+Item = tuple[int, memoryview, "list[Any] | None", "str | None", "tuple[str, int, str] | None"]
 
 # Chunks below this are hashed on the calling thread: handing a small chunk to a worker costs more than hashing
 # it (a LoRA re-save of 2,000 small tensors spent 0.18 s waiting on worker handoffs).
@@ -76,11 +79,19 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
     this save wrote are deleted again (nothing can reference them yet). With ``req.snapshot`` (save_async) the leaves
     of ``unchanged`` were not copied and must not be read: if their previous chunks are gone, the save fails.
     """
-    w = _CheckpointWriter(ctx, req)
-    w.reuse_unchanged()
-    w.store_chunks()
-    doc = w.manifest()
-    return w.commit(doc)
+    for _attempt in range(8):
+        w = _CheckpointWriter(ctx, req)
+        w.reuse_unchanged()
+        try:
+            w.store_chunks()
+        except BaseReadError as exc:  # a delta base is damaged: save again without it (nothing was committed)
+            warnings.warn(f"run {req.run!r} step {req.step}: {exc}; storing the entry in full instead "
+                          "(`luopan verify` reports the damage)", stacklevel=3)
+            ctx.known.pop(exc.chunk_hash, None)
+            continue
+        doc = w.manifest()
+        return w.commit(doc)
+    raise LuopanError(f"run {req.run!r} step {req.step}: too many damaged delta bases; run `luopan verify`")
 
 
 class _CheckpointWriter:
@@ -101,6 +112,9 @@ class _CheckpointWriter:
         self.rows: list[list[tuple[str, int, str]]] = []
         self.deltas: dict[int, tuple[int, int, int, int]] = {}  # entry -> (base step, rows, index/values targets)
         self.decisions: dict[int, Decision] = {}
+        self.xors: dict[int, tuple[int, int]] = {}  # entry -> (base step, target of its XOR chunks)
+        self.stored_by_target: dict[int, int] = {}  # bytes of new blobs per target (what an XOR delta cost)
+        self.sizes = PackSizes(ctx.store)
         self.skipped: set[int] = set()
         self.entries: list[dict[str, Any]] = []
         self.itemsizes: list[int] = []  # per target: element width for the float codec (0: unknown)
@@ -113,7 +127,7 @@ class _CheckpointWriter:
                 e["alias_of"] = leaf.alias_of
             self.entries.append(e)
             self.rows.append([])
-            self.itemsizes.append(leaf.itemsize if leaf.float_like else 0)
+            self.itemsizes.append(leaf.itemsize)
 
     def _target(self, itemsize: int = 0) -> int:
         self.rows.append([])
@@ -139,19 +153,29 @@ class _CheckpointWriter:
             parts = [triples(prev["chunks"])]
             if "delta" in prev:
                 parts += [triples(prev["delta"]["index"]), triples(prev["delta"]["values"])]
+            elif "xor" in prev:
+                parts += [triples(prev["xor"]["chunks"])]
             if all(self._usable(p) for p in parts):
                 self.rows[i] = parts[0]
                 self.entries[i]["chunking"] = prev["chunking"]
                 if "delta" in prev:
-                    it, vt = self._target(), self._target()
+                    it, vt = self._target(), self._target(leaf.itemsize)
                     self.rows[it], self.rows[vt] = parts[1], parts[2]
                     self.deltas[i] = (prev["delta"]["base_step"], prev["delta"]["rows"], it, vt)
+                elif "xor" in prev:
+                    xt = self._target(leaf.itemsize)
+                    self.rows[xt] = parts[1]
+                    self.xors[i] = (prev["xor"]["base_step"], xt)
                 self.skipped.add(i)
 
     # -- stage 2 ----------------------------------------------------------------------------------------------
-    def _items(self, pool: ThreadPoolExecutor) -> Iterator[tuple[int, memoryview, list[Any] | None, str | None]]:
-        """(target, chunk bytes, previous row, precomputed XXH3) of every chunk to hash, in manifest order."""
+    def _items(self, pool: ThreadPoolExecutor) -> Iterator[Item]:
+        """(target, chunk bytes, previous row, precomputed XXH3, base chunk to XOR with) of every chunk to hash, in
+        manifest order."""
         req, ctx, chunk_size = self.req, self.ctx, self.ctx.config.chunk_size
+        compression = ctx.config.compression
+        pc = PlanContext(ctx.policy, self._usable, self._read_base, pool, compression.codec != "none",
+                         lambda view, width: encode_blob(view, compression, width)[1])
         for i, leaf in enumerate(req.leaves):
             if leaf.alias_of is not None or i in self.skipped:
                 continue
@@ -164,28 +188,57 @@ class _CheckpointWriter:
             mode, spans = chunk_spans(leaf.nbytes, leaf.shape, chunk_size)
             self.entries[i]["chunking"] = mode
             xs: list[str] | None = None
-            if ctx.policy.eligible(leaf):
-                dec = self.decisions[i] = plan_table(leaf, data, spans, req.step, ctx.tracks.get(leaf.path),
-                                                     req.hints.get(leaf.path), ctx.policy, self._usable, pool)
+            prev = ctx.previous.get(leaf.path, {}).get("chunks", [])
+            if ctx.policy.tracked(leaf):
+                dec = self.decisions[i] = plan_entry(leaf, data, spans, req.step, ctx.tracks.get(leaf.path),
+                                                     req.hints.get(leaf.path), pc)
+                base = dec.track.base_chunks
                 if dec.delta is not None:  # base chunks (already stored) + changed rows
-                    assert dec.track.base_chunks is not None and dec.delta[0].size > 0
+                    assert base is not None and dec.delta[0].size > 0
                     index, values = dec.delta
-                    self.rows[i] = list(dec.track.base_chunks)
-                    it, vt = self._target(), self._target()
+                    self.rows[i] = list(base)
+                    it, vt = self._target(), self._target(leaf.itemsize)
                     self.deltas[i] = (dec.track.base_step, int(index.size), it, vt)
                     for t, buf in ((it, memoryview(index.astype("<i8").tobytes())), (vt, values)):
                         for off, length in chunk_spans(len(buf), (len(buf),), chunk_size)[1]:
-                            yield t, buf[off : off + length], None, None
+                            yield t, buf[off : off + length], None, None, None
+                    continue
+                if dec.xor:  # base chunks (already stored) + this content XOR the base, chunk by chunk
+                    assert base is not None
+                    self.rows[i] = list(base)
+                    xt = self._target(leaf.itemsize)
+                    self.xors[i] = (dec.track.base_step, xt)
+                    for k, (off, length) in enumerate(spans):
+                        if dec.same is not None and dec.same[k]:  # equal to the base: its XOR is zeros
+                            zh, zx, zeros = zero_chunk(length)
+                            yield xt, zeros, [zh, 0, 0, length, length, "none", zx], zx, None
+                        else:
+                            yield xt, data[off : off + length], None, None, base[k]
                     continue
                 xs = dec.xxh
-            prev = ctx.previous.get(leaf.path, {}).get("chunks", [])
+                if dec.hashes is not None:  # BLAKE3 computed by the plan: reuse it
+                    prev = [[h, 0, 0, n, n, "none", x] for h, (_o, n), x in zip(dec.hashes, spans, xs)]
             for k, (off, length) in enumerate(spans):
                 yield (i, data[off : off + length], prev[k] if k < len(prev) else None,
-                       xs[k] if xs is not None else None)
+                       xs[k] if xs is not None else None, None)
 
-    def _work(self, item: tuple[int, memoryview, list[Any] | None, str | None]
-              ) -> tuple[int, str, memoryview, int, str, str]:
-        i, view, prev, x = item
+    def _read_base(self, chunk: tuple[str, int, str], k: int) -> memoryview:
+        """The verified bytes of a base chunk, in this thread's scratch buffer (BaseReadError when unreadable)."""
+        h, size, _x = chunk
+        try:
+            loc = self.ctx.known[h]
+            ref = ChunkRef(f"run {self.req.run!r} (a delta base)", "", k, h, loc.pack, loc.offset, loc.length,
+                           loc.size, loc.codec)
+            buf = base_scratch(size)
+            read_chunk(self.ctx.store, ref, buf, self.sizes)
+        except (KeyError, LuopanError, OSError) as exc:
+            raise BaseReadError(h, exc) from exc
+        return buf
+
+    def _work(self, item: Item) -> tuple[int, str, memoryview, int, str, str]:
+        i, view, prev, x, base = item
+        if base is not None:  # an XOR delta chunk: this content XOR the base chunk at the same place
+            view = xor_into(view, self._read_base(base, 0))
         if x is None:
             x = xxhash.xxh3_128_hexdigest(view)  # ~2x BLAKE3's speed here: the cheap change detector
         if prev is not None and prev[6] == x and prev[4] == len(view):
@@ -198,7 +251,7 @@ class _CheckpointWriter:
         return i, h, view, len(view), "none", x
 
     def _itemsize(self, target: int) -> int:
-        """Element width of a target's bytes for the float codec (0: not one numeric type)."""
+        """Element width of a target's bytes for the float codec (0: unknown)."""
         return self.itemsizes[target] if target < len(self.itemsizes) else 0
 
     def store_chunks(self) -> None:
@@ -222,10 +275,12 @@ class _CheckpointWriter:
                     builder, off = writer.add(h, stored, size, blob_codec)
                     self.new[h] = (builder, off, len(stored), size, blob_codec)
                     self.new_bytes += size
+                    self.stored_by_target[i] = self.stored_by_target.get(i, 0) + len(stored)
                     crashpoint("chunk.written")
             writer.finish()
             if writer.written:
-                index_id, index_bytes = build_index(writer.written)
+                index_id, index_bytes = build_index(
+                    writer.written, compress=self.ctx.config.format_version >= ENGINE2_FORMAT_VERSION)
                 self.index_name = index_key(index_id)
                 store.put_if_absent(self.index_name, index_bytes)
         except BaseException:
@@ -262,11 +317,16 @@ class _CheckpointWriter:
             if i in deltas:
                 base_step, nrows, it, vt = deltas[i]
                 e["delta"] = {"base_step": base_step, "rows": nrows, "index": manifest_rows(it),
-                              "values": manifest_rows(vt)}
+                              "values": manifest_rows(vt), "cycle": self._cycle(i)}
+            elif i in self.xors:
+                base_step, xt = self.xors[i]
+                e["xor"] = {"base_step": base_step, "chunks": manifest_rows(xt), "cycle": self._cycle(i)}
         doc: dict[str, Any] = {
-            # §1: the oldest version that describes it (3: typed values; 2: row deltas)
-            "format_version": (typed.TYPED_FORMAT_VERSION if typed.present(req.skeleton)
-                               else 2 if deltas else BASE_FORMAT_VERSION),
+            # §1: the oldest version that describes it (5: deltas with writer hints, XOR deltas, new codecs;
+            # 3: typed values)
+            "format_version": (ENGINE2_FORMAT_VERSION if deltas or self.xors or uses_new_codecs(entries)
+                               else typed.TYPED_FORMAT_VERSION if typed.present(req.skeleton)
+                               else BASE_FORMAT_VERSION),
             "run": req.run,
             "step": req.step,
             "created": datetime.now(timezone.utc).isoformat(),
@@ -293,16 +353,39 @@ class _CheckpointWriter:
             doc["inputs"] = list(req.inputs)
         return doc
 
+    def _stored_length(self, t: int) -> int:
+        """Stored bytes of a target's chunks, wherever they live (what its content costs in the repository)."""
+        return sum((self.new_locations.get(h) or self.ctx.known[h]).length for h in {h for h, _s, _x in self.rows[t]})
+
+    def _track_after(self, i: int) -> RowTrack:
+        """Entry ``i``'s track once this save commits."""
+        track = self.decisions[i].track
+        if i in self.xors:
+            cost = self.stored_by_target.get(self.xors[i][1], 0)
+            track = dataclasses.replace(track, cycle_bytes=track.cycle_bytes + cost,
+                                        cycle_saves=track.cycle_saves + 1, xor_bytes=cost)
+            if cost > self.ctx.policy.xor_fraction * self.req.leaves[i].nbytes:  # did not pay: pause XOR deltas
+                backoff = min(MAX_BACKOFF, max(1, 2 * track.xor_backoff))
+                track = dataclasses.replace(track, xor_skip=backoff, xor_backoff=backoff)
+        elif i not in self.deltas:  # stored in full: this version is the base for later deltas
+            track = dataclasses.replace(track, base_step=self.req.step, base_chunks=self.rows[i], form="full",
+                                        cycle_bytes=max(1, self._stored_length(i)), cycle_saves=1, xor_bytes=0)
+        return track
+
+    def _cycle(self, i: int) -> list[int]:
+        """[bytes written since and including the base, saves] after this save: a writer's hint (§5.4)."""
+        if i not in self.decisions:  # reused as it was (trust_versions): its hint stands
+            prev = self.ctx.previous[self.req.leaves[i].path]
+            return list((prev.get("delta") or prev.get("xor") or {}).get("cycle", [0, 1]))
+        t = self._track_after(i)
+        return [t.cycle_bytes, t.cycle_saves]
+
     def tracks(self) -> dict[str, RowTrack]:
-        """Row-delta state of the table entries after this save (docs/format.md §5.2)."""
+        """Delta state of the candidate entries after this save (docs/format.md §5.2, §5.4)."""
         out: dict[str, RowTrack] = {}
         for i, leaf in enumerate(self.req.leaves):
             if i in self.decisions:
-                track = self.decisions[i].track
-                if i not in self.deltas:  # stored in full: this version is the base for later deltas
-                    track = dataclasses.replace(track, base_step=self.req.step, base_chunks=self.rows[i],
-                                                cycle_bytes=leaf.nbytes, cycle_saves=1)
-                out[leaf.path] = track
+                out[leaf.path] = self._track_after(i)
             elif i in self.skipped and leaf.path in self.ctx.tracks:
                 out[leaf.path] = self.ctx.tracks[leaf.path]
         return out
@@ -310,40 +393,6 @@ class _CheckpointWriter:
     # -- stage 4 ----------------------------------------------------------------------------------------------
     def commit(self, doc: dict[str, Any]) -> SaveResult:
         """Commit the manifest (the checkpoint exists from here on), then point the run's ref at it."""
-        store, run, step, overwrite = self.ctx.store, self.req.run, self.req.step, self.req.overwrite
-        data = seal_manifest(doc)  # raises on metadata that is not JSON
-        if len(data) > MAX_MANIFEST_BYTES:  # readers refuse larger ones (docs/format.md §11): never commit one
-            raise UnsupportedValueError(
-                f"the manifest of run {run!r} step {step} would be {len(data)} bytes, more than readers accept "
-                f"({MAX_MANIFEST_BYTES}): use a larger chunk_size for this repository, or split the state into runs")
-        mkey = manifest_key(run, step)
-        try:
-            if overwrite:
-                store.put(mkey, data)
-            elif not store.put_if_absent(mkey, data):
-                raise CheckpointExistsError(
-                    f"run {run!r} step {step} was committed by another writer during this save; "
-                    "pass overwrite=True to replace it"
-                )
-        except OSError:
-            # The manifest may be visible but not durable (e.g. the directory fsync failed). A save that raises must
-            # not leave a checkpoint behind, so take ours back (best effort) before reporting the failure.
-            if not overwrite:
-                _retract(store, mkey, data)
-            raise
-        # The checkpoint is committed now. The ref is advisory (docs/format.md §9): failing to update it must not
-        # report the save as failed, or a caller would retry a step that already exists.
-        try:
-            store.put(latest_ref_key(run), build_ref(run, step, sealed_checksum(data)))
-        except OSError as exc:
-            warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
-                          f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=4)
+        mkey = commit_manifest(self.ctx.store, self.req.run, self.req.step, self.req.overwrite, doc,
+                               compress=self.ctx.config.format_version >= ENGINE2_FORMAT_VERSION)
         return SaveResult(mkey, doc, self.new_locations, self.index_name, self.tracks())
-
-
-def _retract(store: Store, key: str, data: bytes) -> None:
-    try:
-        if store.get(key) == data:
-            store.delete(key)
-    except OSError:
-        pass

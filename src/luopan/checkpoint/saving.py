@@ -37,6 +37,7 @@ from .kind import CHECKPOINTS
 from .request import SaveRequest, check_json, entries_by_path, same_version, tensor_versions, touched_hints
 from .rowdelta import DeltaPolicy, RowTrack
 from .runrecord import Run
+from .deltaplan import disk_tracks
 from .save import WriteContext, write_checkpoint
 from .staging import Staging
 
@@ -287,7 +288,7 @@ class Saving(RepositoryCore):
                 warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
             self._recorded.add(plan.run)
         context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
-                               self._tracks.get(plan.run) or {}, self.delta_policy, self._intact_packs)
+                               self._delta_tracks(plan.run), self.delta_policy, self._intact_packs)
         with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
             result = write_checkpoint(context, plan)
         self.learned(result.new_locations, result.index_key)
@@ -297,6 +298,16 @@ class Saving(RepositoryCore):
         if self.tier is not None:
             self.tier.committed(CHECKPOINTS, plan.run, plan.step)  # queue it for background replication
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
+
+    def _delta_tracks(self, run: str) -> dict[str, RowTrack]:
+        """This process's delta state of the run; for its first save of the run, the bases the run's newest
+        checkpoint on disk names (only their BLAKE3 addresses are used, checked against the bytes: §5.4)."""
+        if run in self._tracks:
+            return self._tracks[run]
+        try:
+            return disk_tracks(self.manifest(run).doc, self.delta_policy)
+        except (LuopanError, OSError):
+            return {}  # no checkpoint yet, or an unreadable one: this save stores in full
 
     def _previous_rows(self, run: str) -> dict[str, dict[str, Any]]:
         """Chunk rows this process wrote for the run's last save, for XXH3 change detection. Rows read from disk

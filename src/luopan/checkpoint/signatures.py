@@ -34,11 +34,13 @@ def content_digest(m: Manifest) -> str:
     """``blake3:<hex>`` of a checkpoint's content statement (module docstring)."""
     entries = []
     for e in m.entries:
-        c = {k: v for k, v in e.items() if k not in ("chunks", "delta")}
+        c = {k: v for k, v in e.items() if k not in ("chunks", "delta", "xor")}
         c["chunks"] = _rows(e.get("chunks", []))
         if "delta" in e:
             d = e["delta"]
             c["delta"] = {"rows": d["rows"], "index": _rows(d["index"]), "values": _rows(d["values"])}
+        if "xor" in e:  # docs/format.md §5.4: what the bytes are made of is content
+            c["xor"] = {"chunks": _rows(e["xor"]["chunks"])}
         entries.append(c)
     statement = {"format": "luopan-checkpoint-content", "run": m.run, "step": m.step, "tree": m.tree,
                  "metrics": m.doc.get("metrics", {}), "entries": entries}

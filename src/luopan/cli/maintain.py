@@ -34,7 +34,9 @@ from .app import (
 def init(
     *,
     repo: RepoOpt = None,
-    compression: Annotated[str, typer.Option(help="Blob compression: none, zstd or zstd:LEVEL.")] = "none",
+    compression: Annotated[str, typer.Option(
+        help="Blob compression: auto (the default: a float codec or zstd where a sample says it pays, docs/format.md "
+             "§6.1), none, zstd or zstd:LEVEL.")] = "auto",
     chunk_size: Annotated[Optional[int], typer.Option(help="Chunk size in bytes (default 4 MiB).")] = None,
     pack_size: Annotated[Optional[int], typer.Option(help="Target pack size in bytes (default 64 MiB).")] = None,
 ) -> None:

@@ -9,8 +9,12 @@ from ..errors import UnsupportedFormatError
 # The newest format_version this luopan reads. Each file is written with the oldest version that can describe it
 # (docs/format.md §1): config and index files are version 1; a manifest is version 2 only if it holds a row delta;
 # artifact manifests are version 3, and a repository holding any has a version-3 config (older luopan refuse it).
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 BASE_FORMAT_VERSION = 1
+# Storage engine v2 (docs/format.md §5.4-§5.6, §6.1, §8): persisted row digests, XOR deltas, the float codec and
+# grouped manifests. A manifest (and a repository config) using any of them says 5; one that does not keeps its
+# older version, so repositories of version 4 and older stay readable by older luopan where nothing new was used.
+ENGINE2_FORMAT_VERSION = 5
 
 
 def refuse_newer(obj: dict[str, Any], where: str) -> None:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import blake3
+import zstandard
 
 from ..errors import CorruptRepoError
 from . import refuse_newer
@@ -44,9 +45,37 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+MAX_INFLATED = 1 << 30  # what a compressed JSON file may inflate to (the manifest and index file limit, §11)
+
+
+def compress_json(data: bytes) -> bytes:
+    """A zstd frame of sealed JSON (checkpoint manifests and index files, format_version 5: docs/format.md §4)."""
+    return zstandard.ZstdCompressor(level=9).compress(data)
+
+
+def inflate_json(data: bytes) -> bytes:
+    """The JSON text of a file that may be a zstd frame of it (§4); other bytes are returned as they are. SealError
+    on a damaged frame or one that would inflate past MAX_INFLATED (checked before anything that large exists)."""
+    if not data.startswith(ZSTD_MAGIC):
+        return data
+    try:
+        size = zstandard.frame_content_size(data)
+        if size > MAX_INFLATED:
+            raise SealError(f"compressed JSON says it inflates to {size} bytes, more than {MAX_INFLATED}")
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_INFLATED, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise SealError(f"not a valid zstd frame of JSON ({str(exc)[:200]})") from None
+    if size >= 0 and len(out) != size:
+        raise SealError(f"compressed JSON inflated to {len(out)} bytes, not the {size} its frame says")
+    return out
+
+
 def parse_object(data: bytes) -> dict[str, Any]:
-    """Parse a JSON object; SealError when the bytes are not one. A key given twice in one object is refused:
-    parsers disagree on which value wins, so such a file could mean different things to different readers."""
+    """Parse a JSON object (or a zstd frame of one, §4); SealError when the bytes are not one. A key given twice in
+    one object is refused: parsers disagree on which value wins, so such a file could mean different things to
+    different readers."""
+    data = inflate_json(data)
     try:
         obj = json.loads(data, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -94,6 +123,10 @@ _CHECKSUM_PREFIX = b'{"' + CHECKSUM_FIELD.encode() + b'":"'
 def sealed_checksum(data: bytes) -> str:
     """The checksum recorded in sealed bytes (for refs that pin a manifest); unverified. Reads it from the front
     when `seal` put it there (the usual case) instead of parsing a possibly large document again."""
+    try:
+        data = inflate_json(data)
+    except SealError:
+        return ""
     if data.startswith(_CHECKSUM_PREFIX):
         end = data.find(b'"', len(_CHECKSUM_PREFIX))
         if end > 0:

@@ -8,14 +8,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import ConfigConflictError, CorruptRepoError
-from . import BASE_FORMAT_VERSION, refuse_newer
+from . import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION, refuse_newer
 from .canonical import SealError, parse_object, seal, verify_seal
 from .names import CONFIG_KEY  # noqa: F401  (importable from here as before)
 from .limits import MAX_PACK_SIZE
-from .pack import CODECS
 
 DEFAULT_CHUNK_SIZE = 4 << 20  # docs/format.md §3: 7.5 vs 5.7 GB/s two-thread BLAKE3 over 1 MiB chunks
 DEFAULT_PACK_SIZE = 64 << 20
+# What a repository's ``compression`` may say (§3): "auto" picks per chunk among none, zstd and bytegroup (§6.1).
+CONFIG_CODECS = ("none", "zstd", "auto")
+DEFAULT_COMPRESSION = "auto"  # for new repositories (an existing one keeps what it recorded)
 
 
 def _is_int(x: object) -> bool:
@@ -24,6 +26,10 @@ def _is_int(x: object) -> bool:
 
 @dataclass(frozen=True)
 class Compression:
+    """A repository's compression (§3): ``none``; ``zstd`` at ``level`` for every chunk; or ``auto``, which stores
+    each chunk with the float codec (float entries) or zstd at ``level`` (others) only where a sample says that
+    saves enough (§6.1)."""
+
     codec: str = "none"
     level: int = 3
 
@@ -31,22 +37,31 @@ class Compression:
         if not isinstance(self.codec, str) or not _is_int(self.level):
             raise ConfigConflictError(f"compression must be a codec name and an integer level, got {self.codec!r} "
                                       f"level {self.level!r}")
-        if self.codec not in CODECS:
-            raise ConfigConflictError(f"unknown compression codec {self.codec!r}: use one of {', '.join(CODECS)}")
-        if self.codec == "zstd" and not 1 <= self.level <= 22:
+        if self.codec not in CONFIG_CODECS:
+            raise ConfigConflictError(f"unknown compression codec {self.codec[:40]!r}: use one of "
+                                      f"{', '.join(CONFIG_CODECS)}")
+        if self.codec != "none" and not 1 <= self.level <= 22:
             raise ConfigConflictError(f"zstd level {self.level} out of range: use 1..22")
 
+    @property
+    def format_version(self) -> int:
+        """The oldest config format_version that can say this: "auto" writes bytegroup blobs (version 5)."""
+        return ENGINE2_FORMAT_VERSION if self.codec == "auto" else BASE_FORMAT_VERSION
+
     def to_json(self) -> dict[str, Any]:
-        return {"codec": "none"} if self.codec == "none" else {"codec": "zstd", "level": self.level}
+        return {"codec": "none"} if self.codec == "none" else {"codec": self.codec, "level": self.level}
 
     @classmethod
     def parse(cls, value: str | Compression | None) -> Compression:
-        """``"none"``, ``"zstd"`` or ``"zstd:5"``."""
+        """``"none"``, ``"zstd"``, ``"zstd:5"``, ``"auto"`` or ``"auto:5"`` (the level of the zstd it uses)."""
         if value is None or isinstance(value, Compression):
             return value or cls()
+        if not isinstance(value, str):
+            raise ConfigConflictError(f"compression must be a string such as 'auto' or 'zstd:5', got {value!r}")
         codec, _, level = value.partition(":")
-        if level and not level.isdigit():
-            raise ConfigConflictError(f"bad compression {value!r}: use none, zstd or zstd:LEVEL (1..22)")
+        if level and not level.isdigit() or codec == "none" and level:
+            raise ConfigConflictError(f"bad compression {value[:40]!r}: use none, auto, auto:LEVEL, zstd or "
+                                      "zstd:LEVEL (LEVEL 1..22)")
         return cls(codec, int(level) if level else 3)
 
 
@@ -71,6 +86,9 @@ class RepoConfig:
             raise ConfigConflictError(f"compression must be a Compression, got {self.compression!r}")
         if not (4096 <= self.chunk_size <= 1 << 30):
             raise ConfigConflictError(f"chunk_size {self.chunk_size} out of range: use 4 KiB .. 1 GiB")
+        if self.format_version < self.compression.format_version:
+            raise ConfigConflictError(f"compression {self.compression.codec!r} needs format_version "
+                                      f"{self.compression.format_version}, not {self.format_version}")
         if not self.chunk_size <= self.pack_size <= MAX_PACK_SIZE:
             raise ConfigConflictError(f"pack_size {self.pack_size} out of range: use chunk_size ({self.chunk_size}) "
                                       f"to {MAX_PACK_SIZE} bytes")

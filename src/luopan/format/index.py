@@ -6,20 +6,21 @@ from typing import Any
 
 from ..errors import CorruptRepoError
 from . import BASE_FORMAT_VERSION
-from .canonical import SealError, canonical, digest, seal, unseal
+from .canonical import SealError, canonical, compress_json, digest, seal, unseal
 from .limits import MAX_OFFSET
 from .names import is_hex64
 from .pack import CODECS, BlobLocation
 
 
-def build_index(packs: dict[str, list[dict[str, Any]]]) -> tuple[str, bytes]:
-    """(index id, sealed bytes) for {pack id: trailer blob records}."""
+def build_index(packs: dict[str, list[dict[str, Any]]], compress: bool = False) -> tuple[str, bytes]:
+    """(index id, sealed bytes) for {pack id: trailer blob records}; ``compress`` (format_version 5 repositories):
+    a zstd frame of them (docs/format.md §4, §7). The id names the content, whichever way it is stored."""
     body = {
         "format_version": BASE_FORMAT_VERSION,
         "packs": {p: [[b["hash"], b["offset"], b["length"], b["size"], b["codec"]] for b in blobs]
                   for p, blobs in packs.items()},
     }
-    return digest(canonical(body)), seal(body)
+    return digest(canonical(body)), compress_json(seal(body)) if compress else seal(body)
 
 
 def parse_index(data: bytes, where: str) -> dict[str, BlobLocation]:

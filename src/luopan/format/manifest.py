@@ -15,8 +15,8 @@ from fastjsonschema import JsonSchemaException
 from ..errors import CorruptManifestError
 from .. import typed
 from ..tree import itemsize
-from . import refuse_newer
-from .canonical import SealError, canonical, digest, parse_object, seal, verify_seal
+from . import ENGINE2_FORMAT_VERSION, refuse_newer
+from .canonical import SealError, canonical, compress_json, digest, parse_object, seal, verify_seal
 from .limits import MAX_NBYTES, MAX_NDIM, shape_fits
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -103,8 +103,10 @@ class Manifest:
         raise KeyError(path)
 
 
-def seal_manifest(doc: dict[str, Any]) -> bytes:
-    return seal(doc)
+def seal_manifest(doc: dict[str, Any], compress: bool = False) -> bytes:
+    """A manifest's file bytes: sealed JSON, or (``compress``, repositories of format_version 5) a zstd frame of it."""
+    data = seal(doc)
+    return compress_json(data) if compress else data
 
 
 def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | None = None) -> Manifest:
@@ -148,9 +150,15 @@ def rows_of(entry: dict[str, Any]) -> list[Row]:
 
 
 def stored_rows(entry: dict[str, Any]) -> list[list[Any]]:
-    """Every chunk row an entry's bytes depend on: its (base) chunks, then any row delta's index and values."""
+    """Every chunk row an entry's bytes depend on: its (base) chunks, then any row delta's index and values, or
+    any XOR delta's chunks."""
     d = entry.get("delta", {})
-    return entry.get("chunks", []) + d.get("index", []) + d.get("values", [])
+    return entry.get("chunks", []) + d.get("index", []) + d.get("values", []) + entry.get("xor", {}).get("chunks", [])
+
+
+def uses_new_codecs(entries: list[dict[str, Any]]) -> bool:
+    """Whether any chunk row names a codec that format_version 5 introduced (§6.1)."""
+    return any(r[5] not in ("none", "zstd") for e in entries for r in stored_rows(e))
 
 
 MAX_CHUNK_BYTES = 1 << 30  # the largest chunk_size a repository may have (format/config.py)
@@ -225,6 +233,14 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
                 raise bad(f"entry {path!r} delta index is not {d['rows']} int64 row numbers")
             if chunk_bytes(d["values"], npacks, path, bad) != d["rows"] * (e["nbytes"] // nrows):
                 raise bad(f"entry {path!r} delta values are not {d['rows']} rows of {e['nbytes'] // nrows} bytes")
+        x = e.get("xor")
+        if x is not None:  # docs/format.md §5.4: base chunks XOR delta chunks, chunk by chunk
+            if doc["format_version"] < ENGINE2_FORMAT_VERSION or d is not None:
+                raise bad(f"entry {path!r} has an XOR delta, which format_version {doc['format_version']} lacks "
+                          "or which is combined with a row delta")
+            if [r[4] for r in x["chunks"]] != [r[4] for r in e["chunks"]]:
+                raise bad(f"entry {path!r} XOR delta chunks do not have the sizes of its base chunks")
+            chunk_bytes(x["chunks"], npacks, path, bad)
 
     def walk(node: Any, checked: bool = True) -> None:
         """``checked``: the schema validated this node; nodes inside a typed value are checked here instead."""

@@ -14,7 +14,10 @@ from .canonical import canonical
 from .limits import MAX_OFFSET, MAX_TRAILER_BYTES
 from .names import is_hex64
 
-CODECS = ("none", "zstd")
+# How a blob is stored (§6): raw, one zstd frame, or the float codec of §6.1 (format_version 5).
+CODECS = ("none", "zstd", "bytegroup")
+# The codecs an older luopan cannot decode: a manifest (or repository config) that uses one says format_version 5.
+ENGINE2_CODECS = frozenset({"bytegroup"})
 
 MAGIC = b"LUOPANPK"
 TRAILER_MAGIC = b"LPIX"

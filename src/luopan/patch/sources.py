@@ -52,7 +52,7 @@ def checkpoint_tensors(m: Manifest, subtree: str | None, chunk_size: int) -> lis
         step, count = spans(e["nbytes"], shape, chunk_size)
         stored = m.entries[source]
         rows = [Row._make(r) for r in stored.get("chunks", [])]
-        direct = "delta" not in stored and len(rows) == count and all(
+        direct = "delta" not in stored and "xor" not in stored and len(rows) == count and all(
             r.size == min(step, e["nbytes"] - k * step) for k, r in enumerate(rows))
         out.append(StoredTensor(name, e["dtype"], shape, e["nbytes"], source,
                                 tuple(r.hash for r in rows) if direct else None))
@@ -81,7 +81,7 @@ def tensor_chunks(store: Store, m: Manifest, t: StoredTensor, chunk_size: int, s
 def _recut(store: Store, m: Manifest, t: StoredTensor, chunk_size: int, sizes: PackSizes) -> Iterator[bytearray]:
     """The entry's real bytes (row delta applied), cut at ``chunk_size``: one stored chunk and one new chunk in
     memory at a time."""
-    delta, jobs = delta_jobs(m, t.entry)
+    delta, jobs = delta_jobs(m, t.entry, store, sizes)
     if delta is not None:
         read_chunks(store, jobs, sizes=sizes)
         delta.decode()

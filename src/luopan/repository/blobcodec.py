@@ -1,16 +1,33 @@
-"""How a chunk is stored in a pack: its codec (docs/format.md §6). One place for the encoders and decoders, used by
-every writer (checkpoints, parts, artifacts, journals, indexes) and every reader (loads, verify, repack)."""
+"""How a chunk is stored in a pack: its codec (docs/format.md §6, §6.1). One place for the encoders and decoders, used
+by every writer (checkpoints, parts, artifacts, journals, indexes) and every reader (loads, verify, repack)."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import zstandard
 
 from ..errors import CorruptPackError
 from ..format.config import Compression
+from . import bytegroup, planes
 
 _tls = threading.local()
+
+# "auto" compresses a chunk only when a sample of it shrinks by at least this much (docs/format.md §6.1). Measured
+# (benchmarks/floatcodec.py, GPT-2-shaped default-init weights, 2 cores): bytegroup shrinks bf16 weights by 35% at
+# ~0.4 GB/s per core; fp32 and fp16 weights and random-normal fp32 only by 17-18% for the same work per byte, so
+# they are stored raw, and the foundation benchmark (P1, random fp32) saves as fast as with compression off.
+AUTO_MIN_SAVING = 0.25
+# The sample: SAMPLES slices spread over the chunk, SAMPLE_BYTES in all. 16 KiB per 4 MiB chunk of random fp32 costs
+# ~0.04 ms of one core (one histogram), against ~0.5 ms to BLAKE3-hash the chunk.
+SAMPLE_BYTES = 16 << 10
+SAMPLES = 4
+# A plane is coded only when its sample says coding saves at least this much of it (a bf16 mantissa plane saves
+# <0.1%: storing it raw skips ~5 ms of Huffman coding per 2 MiB for nothing).
+PLANE_MIN_SAVING = 0.03
+# Nibbles when 15 consecutive values hold this much of a plane's sample: each escaped byte costs 4 bits + 8 bits.
+NIBBLE_MIN_SHARE = 0.995
 
 
 def compressor(level: int) -> zstandard.ZstdCompressor:
@@ -22,23 +39,88 @@ def compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
+def sample(view: memoryview | bytes, width: int = 1) -> memoryview | bytes:
+    """About SAMPLE_BYTES of ``view`` from SAMPLES evenly spaced places, each starting on an element (the whole chunk
+    when it is that small)."""
+    n = len(view)
+    if n <= SAMPLE_BYTES:
+        return view
+    piece = SAMPLE_BYTES // SAMPLES // width * width
+    starts = [(n - piece) * k // (SAMPLES - 1) // width * width for k in range(SAMPLES)]
+    return b"".join(view[s : s + piece] for s in starts)
+
+
+def float_codings(view: memoryview | bytes, width: int, level: int) -> list[int] | None:
+    """How to store each byte plane of a float chunk (planes.RAW / NIBBLES / ZSTD / DEFLATE), or None when a sample
+    says the chunk would not shrink by AUTO_MIN_SAVING. A plane worth coding takes nibbles when 15 consecutive
+    values hold nearly all of it (Huffman codes of nibble pairs: half the work, closer to the entropy); else
+    deflate's Huffman codes of its bytes; zstd instead of either where the sample shows it does better (repetition)."""
+    s = sample(view, width)
+    m = len(s) // width
+    entropies, shares = bytegroup.plane_stats(s, width)
+    if m == 0 or float(np.minimum(entropies, m).sum()) > len(s) * (1 - AUTO_MIN_SAVING):
+        return None
+    codings = []
+    for j, plane in enumerate(bytegroup.split(s, width)):
+        if entropies[j] > m * (1 - PLANE_MIN_SAVING):
+            codings.append(planes.RAW)
+            continue
+        # Huffman codes: one bit per symbol at least, a symbol being a byte, or a pair of nibbles
+        nibbles = shares[j] >= NIBBLE_MIN_SHARE
+        huffman = max(entropies[j] * 1.02, m / (16 if nibbles else 8))
+        z = len(compressor(level).compress(plane))
+        codings.append(planes.ZSTD if z < huffman else planes.NIBBLES if nibbles else planes.DEFLATE)
+    return codings
+
+
+def _zstd(view: memoryview | bytes, level: int) -> tuple[str, memoryview | bytes]:
+    z = compressor(level).compress(view)
+    return ("zstd", memoryview(z)) if len(z) < len(view) else ("none", view)
+
+
 def encode_blob(view: memoryview, compression: Compression, itemsize: int = 0) -> tuple[str, memoryview]:
     """(codec, stored bytes) for one chunk. ``itemsize`` is the width of the chunk's elements when they are known to
-    be numbers of one type (2 for bf16/fp16, 4 for fp32, ...), 0 when unknown. Returns ``("none", view)`` when no
-    codec makes the chunk smaller."""
-    if compression.codec == "zstd":
-        z = compressor(compression.level).compress(view)
-        if len(z) < len(view):
-            return "zstd", memoryview(z)
-    return "none", view
+    be floating-point numbers (2 for bf16/fp16, 4 for fp32, 8 for fp64), 0 when not. Returns ``("none", view)`` when
+    no codec makes the chunk smaller (and, for "auto", when a sample says compressing would not pay)."""
+    codec = compression.codec
+    if codec == "zstd":
+        return _zstd(view, compression.level)  # type: ignore[return-value]
+    if codec != "auto" or not len(view):
+        return "none", view
+    if itemsize in bytegroup.WIDTHS and len(view) >= itemsize:
+        codings = float_codings(view, itemsize, compression.level)
+        if codings is None:
+            return "none", view
+        stored = bytegroup.encode(view, itemsize, codings, compressor(compression.level))
+        return ("bytegroup", memoryview(stored)) if len(stored) < len(view) else ("none", view)
+    s = sample(view)
+    z = compressor(compression.level).compress(s)
+    if len(z) > len(s) * (1 - AUTO_MIN_SAVING):
+        return "none", view
+    if s is view:
+        return "zstd", memoryview(z)
+    return _zstd(view, compression.level)  # type: ignore[return-value]
 
 
-def decode_blob(codec: str, data: bytes | memoryview, size: int, where: str) -> bytes:
-    """The raw bytes of a stored blob (exactly ``size`` of them); CorruptPackError names ``where`` on damage."""
+def decode_blob(codec: str, data: bytes | memoryview, size: int, where: str) -> bytes | memoryview:
+    """The raw bytes of a stored blob (exactly ``size`` of them); CorruptPackError names ``where`` on damage. Never
+    allocates more than ``size`` (+1) bytes, whatever the stored bytes declare."""
+    if codec == "none":
+        if len(data) != size:
+            raise CorruptPackError(f"corrupt blob: {where} has {len(data)} bytes, not {size}")
+        return data
+    if codec == "bytegroup":
+        return bytegroup.decode(data, size, where)
+    if codec != "zstd":
+        raise CorruptPackError(f"unknown codec {codec[:20]!r}: {where}")
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+        declared = zstandard.frame_content_size(data)
+        if declared not in (-1, size):
+            raise CorruptPackError(f"corrupt compressed blob: {where} declares {declared} bytes, not {size}")
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptPackError(f"corrupt compressed blob: {where}: {exc}") from None
     if len(raw) != size:
         raise CorruptPackError(f"corrupt compressed blob: {where} decompressed to {len(raw)} bytes")
     return raw
+

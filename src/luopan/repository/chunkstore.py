@@ -17,12 +17,14 @@ import numpy as np
 import xxhash
 
 from .._crash import crashpoint
+from ..format import ENGINE2_FORMAT_VERSION
 from ..format.config import RepoConfig
 from ..format.index import build_index
 from ..format.names import index_key
 from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import Store
-from .packwriter import PackChecker, PackWriter, compressor, exists_quietly
+from .blobcodec import encode_blob
+from .packwriter import PackChecker, PackWriter, exists_quietly
 from .parallel import WORKERS, ordered_map
 
 AHEAD = 64  # chunks cut ahead of hashing
@@ -155,7 +157,7 @@ def store_chunks(store: Store, config: RepoConfig, known: dict[str, BlobLocation
     deduplicated against ``known`` (only where their pack is present and intact), packed, then named by one index
     file. ``Stored.rows[i]`` lists source ``i``'s chunks. On failure before the index file is visible, the packs
     written are deleted again (nothing can reference them yet). Every kind stores its chunks through here."""
-    codec, level = config.compression.codec, config.compression.level
+    compression = config.compression
     writer = PackWriter(store, config.pack_size, intact)
     checker = PackChecker(store, intact)
     rows: list[list[tuple[str, int, str]]] = [[] for _ in range(nsources)]
@@ -172,11 +174,9 @@ def store_chunks(store: Store, config: RepoConfig, known: dict[str, BlobLocation
         x = xxhash.xxh3_128_hexdigest(view)
         if h in known:
             return i, h, view, len(view), "none", x  # deduplicated (unless its pack is gone: then copied below)
-        if codec == "zstd":
-            z = compressor(level).compress(view)
-            if len(z) < len(view):
-                return i, h, memoryview(z), len(view), "zstd", x
-        return i, h, view, len(view), "none", x  # copied into an arena below
+        # the element type of these chunks is not known here (file bytes, records, extents): zstd or none
+        codec, stored = encode_blob(view, compression)
+        return i, h, stored, len(view), codec, x  # a "none" chunk is copied into an arena below
 
     pool = ThreadPoolExecutor(WORKERS, "luopan-chunks")
     try:
@@ -201,7 +201,7 @@ def store_chunks(store: Store, config: RepoConfig, known: dict[str, BlobLocation
                 crashpoint(crash_label)
         writer.finish()
         if writer.written:
-            index_id, index_bytes = build_index(writer.written)
+            index_id, index_bytes = build_index(writer.written, compress=config.format_version >= ENGINE2_FORMAT_VERSION)
             index_name = index_key(index_id)
             store.put_if_absent(index_name, index_bytes)
     except BaseException:

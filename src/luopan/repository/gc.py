@@ -40,9 +40,9 @@ from ..errors import (
     UnsupportedFormatError,
     UsageError,
 )
-from ..format import BASE_FORMAT_VERSION
+from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
 from ..format.canonical import SealError, seal, unseal
-from ..format.canonical import seal as seal_manifest
+from ..format.manifest import seal_manifest
 from ..format.index import build_index, parse_index
 from ..format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from ..format.names import (
@@ -240,7 +240,9 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
             doc = relocated(m.doc, moved)
             if doc is None:
                 continue
-            data = seal_manifest(doc)
+            # checkpoint manifests of format_version 5 repositories are stored compressed (docs/format.md §4)
+            data = seal_manifest(doc, compress=m.kind.name == "checkpoint"
+                                 and repo.config.format_version >= ENGINE2_FORMAT_VERSION)
             store.put(m.key, data)
             manifests[i] = Marked(m.kind, m.series, m.number, m.key, doc)
             if m.kind.rewritten is not None:
@@ -310,7 +312,8 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
         say("index: writing one index file for the packs that stay")
         new_key = None
         if rows:
-            index_id, index_bytes = build_index({p: rows[p] for p in sorted(rows)})
+            index_id, index_bytes = build_index({p: rows[p] for p in sorted(rows)},
+                                                compress=repo.config.format_version >= ENGINE2_FORMAT_VERSION)
             new_key = index_key(index_id)
             store.put_if_absent(new_key, index_bytes)
         crashpoint("gc.index.written")

@@ -17,7 +17,7 @@ from ..errors import (
     RepoNotFoundError,
     UsageError,
 )
-from ..format.config import Compression, RepoConfig
+from ..format.config import DEFAULT_COMPRESSION, Compression, RepoConfig
 from ..format.limits import MAX_CONFIG_BYTES
 from ..format.names import CONFIG_KEY
 from ..store import FsspecStore, MemoryStore, Store, is_object_url, open_store
@@ -125,7 +125,9 @@ def create_config(store: Store, chunk_size: int | None, pack_size: int | None,
                 f"{store.describe()} already holds objects (e.g. {stray!r}) and is not a luopan repository: "
                 "refusing to create one there; choose an empty prefix (e.g. s3://bucket/new-prefix)"
             )
-    kwargs: dict[str, Any] = {"compression": Compression.parse(compression)}
+    comp = Compression.parse(DEFAULT_COMPRESSION if compression is None else compression)
+    # the oldest version that describes the config (docs/format.md §1): "auto" writes blobs older luopan cannot read
+    kwargs: dict[str, Any] = {"compression": comp, "format_version": comp.format_version}
     if chunk_size is not None:
         kwargs["chunk_size"] = chunk_size
     if pack_size is not None:

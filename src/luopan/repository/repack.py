@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import blake3
-import zstandard
 
 from ..errors import CorruptPackError, StorageError
 from ..format.canonical import canonical
@@ -15,6 +14,7 @@ from ..format.manifest import Row, rows_of, stored_rows
 from ..format.names import pack_key
 from ..format.pack import PackBuilder, PackFormatError
 from ..store.base import KeyNotFound, Store
+from .blobcodec import decode_blob
 from .chunkio import read_trailer
 from .gcreport import GcReport
 
@@ -23,9 +23,7 @@ Moved = dict[tuple[str, str], tuple[str, int, int, int, str]]  # (old pack, hash
 
 
 def _verify_blob(data: bytes, h: str, size: int, codec: str) -> None:
-    raw = data
-    if codec != "none":
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+    raw = decode_blob(codec, data, size, f"chunk {h[:16]}…")
     if len(raw) != size or blake3.blake3(raw).hexdigest() != h:
         raise CorruptPackError(f"chunk {h[:16]}… does not match its hash")
 
@@ -71,7 +69,7 @@ def repack(store: Store, pack_size: int, sparse: list[str], live: dict[str, dict
                     raise CorruptPackError("truncated")
                 _verify_blob(data, h, size, codec)
                 blobs.append((h, data, size, codec))
-        except (CorruptPackError, zstandard.ZstdError, KeyNotFound) as exc:
+        except (CorruptPackError, KeyNotFound) as exc:
             report.skipped_repacks.append(f"{old}: {exc}")
             continue
         for h, data, size, codec in blobs:

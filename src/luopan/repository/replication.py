@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from .._crash import crashpoint
 from ..errors import ConfigConflictError, IntegrityError, ReplicationError, StorageError
+from ..format import ENGINE2_FORMAT_VERSION
+from ..format.canonical import ZSTD_MAGIC
 from ..format.config import RepoConfig
 from ..format.index import parse_index
 from ..format.limits import (
@@ -180,6 +182,8 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
                 idata = src.get_limited(ikey, MAX_INDEX_BYTES)
             except KeyNotFound:  # gc replaced it meanwhile: index files only steer dedup, skip it
                 continue
+            if idata.startswith(ZSTD_MAGIC):  # compressed (§4): older readers of dst must refuse the repository
+                require_format(dst, ENGINE2_FORMAT_VERSION)
             dst.put_if_absent(ikey, idata)
             verify_small(dst, ikey, idata)
     pin = kind.pin_key(series, number)
@@ -195,7 +199,8 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
         verify_small(dst, key, extra)
 
     def put_manifest() -> None:
-        require_format(dst, doc["format_version"])  # an older reader of dst must refuse it, not miss this manifest
+        # an older reader of dst must refuse it, not miss this manifest (nor read a compressed one as damaged, §4)
+        require_format(dst, max(doc["format_version"], ENGINE2_FORMAT_VERSION if data.startswith(ZSTD_MAGIC) else 0))
         if not dst.put_if_absent(mkey, data) and get_or_none(dst, mkey, MAX_MANIFEST_BYTES) != data:
             dst.put(mkey, data)  # saved again with overwrite=True: the source is authoritative
         verify_small(dst, mkey, data)

@@ -42,13 +42,16 @@ def as_problem(exc: Exception) -> LuopanError:
 
 
 def manifest_chunk_refs(kind: Kind, series: str, number: int, doc: dict[str, Any]) -> Iterator[ChunkRef]:
-    """Every chunk a manifest document needs: each entry's chunks and a row delta's index and values."""
+    """Every chunk a manifest document needs: each entry's chunks, a row delta's index and values, an XOR delta's
+    chunks."""
     owner = kind.label(series, number)
     packs = doc["packs"]
     for e in doc["entries"]:
         parts = [(e["path"], e.get("chunks", []))]
         if "delta" in e:
             parts += [(f"{e['path']} (row delta {p})", e["delta"][p]) for p in ("index", "values")]
+        if "xor" in e:
+            parts.append((f"{e['path']} (XOR delta)", e["xor"]["chunks"]))
         for path, rows in parts:
             for n, r in enumerate(map(Row._make, rows)):
                 yield ChunkRef(owner, path, n, r.hash, packs[r.pack], r.offset, r.length, r.size, r.codec)

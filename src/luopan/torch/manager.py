@@ -238,7 +238,7 @@ class CheckpointManager:
             e = m.entries[i]
             buf = memoryview(bytearray(e["nbytes"]))
             jobs = [(ref, buf[pos : pos + ref.size]) for pos, ref in chunk_refs(m, i)]
-            delta, more = delta_jobs(m, i)
+            delta, more = delta_jobs(m, i, self.repo.store)
             read_chunks(self.repo.store, jobs + more)  # every chunk's hash is checked
             if delta is not None:
                 delta.apply(buf)

@@ -1,0 +1,265 @@
+"""How a save stores each delta-candidate entry: in full, as a row delta (§5.2) or as an XOR delta (§5.4).
+
+Every delta is against a *base*: the last version of the entry stored in full. A track (rowdelta.RowTrack) carries
+what this process knows about the entry since its last save. A process that has not saved the run yet starts from
+the run's newest manifest on disk (``disk_tracks``): of that, only the base chunks' BLAKE3 addresses are used, and
+they are checked against the bytes — a current chunk whose BLAKE3 equals the base chunk's is the same bytes; any
+other chunk is compared with the base chunk read back from the repository (verified on read), row by row. So a row
+counts as unchanged only when its bytes are shown equal to the base's, and neither a damaged nor a crafted
+repository can make a save skip a row that changed: the base bytes it compares with are the ones the new manifest
+lists and a load returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import numpy as np
+import xxhash
+
+from ..tree import Leaf
+from .rowdelta import MAX_BACKOFF, Decision, DeltaPolicy, RowDigests, RowTrack, gather, layout, rows_in_spans
+
+_EMPTY = np.empty(0, dtype=np.int64)
+Triple = tuple[str, int, str]  # a chunk: (BLAKE3 hash, raw size, XXH3-128)
+
+
+class BaseReadError(Exception):
+    """A base chunk could not be read back intact; the save is retried without that chunk as a base."""
+
+    def __init__(self, chunk_hash: str, cause: BaseException) -> None:
+        super().__init__(f"base chunk {chunk_hash[:16]}… could not be read: {cause}")
+        self.chunk_hash = chunk_hash
+
+
+@dataclass
+class PlanContext:
+    policy: DeltaPolicy
+    base_usable: Callable[[list[Triple]], bool]  # every chunk present, its pack intact
+    read_base: Callable[[Triple, int], memoryview]  # verified bytes of a base chunk (thread-local; BaseReadError)
+    pool: ThreadPoolExecutor
+    compressing: bool  # the repository compresses chunks (XOR deltas only pay then)
+    encode: Callable[[memoryview, int], memoryview]  # stored bytes of a piece of an entry, as the save would store it
+
+
+def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step: int, track: RowTrack | None,
+               hint: np.ndarray | None, pc: PlanContext) -> Decision:
+    """Decide how to store one delta-candidate entry this save: in full, as base + rows, or as base XOR delta."""
+    xs = list(pc.pool.map(xxhash.xxh3_128_hexdigest, [data[o : o + n] for o, n in spans]))
+    lay = layout(leaf)
+    full = RowTrack(lay, tuple(xs), None, step, None, _EMPTY)
+    if track is not None:  # XOR backoff survives a rebase
+        full = dataclasses.replace(full, xor_skip=max(0, track.xor_skip - 1), xor_backoff=track.xor_backoff)
+    if (track is None or track.layout != lay or track.base_chunks is None
+            or len(track.base_chunks) != len(spans)):
+        return Decision(full, xs)  # nothing to compare with
+    hashes = None
+    if track.trusted:
+        changed_k = [k for k, (x, old) in enumerate(zip(xs, track.xxh)) if x != old]
+    else:  # from disk: only the base's BLAKE3 addresses count
+        hashes = list(pc.pool.map(lambda v: blake3.blake3(v).hexdigest(), [data[o : o + n] for o, n in spans]))
+        changed_k = [k for k, h in enumerate(hashes) if h != track.base_chunks[k][0]]
+    if not changed_k:
+        if not track.trusted or track.form == "full":  # the base's bytes: stored plainly, every chunk deduplicates
+            return Decision(full, xs, hashes=hashes)
+        if not pc.base_usable(track.base_chunks):
+            return Decision(full, xs)
+        if track.form == "rows":  # same content as the previous save: the same patch
+            return Decision(track, xs, gather(data, track.patch, leaf.nbytes // leaf.shape[0]))
+        return Decision(dataclasses.replace(track, xxh=tuple(xs)), xs, xor=True, same=_same_as_base(track, xs, None))
+
+    dense = False
+    if pc.policy.eligible(leaf) and track.skip == 0 and track.form != "xor":
+        dec = _plan_rows(leaf, data, spans, step, track, hint, pc, xs, changed_k)
+        if isinstance(dec, Decision):
+            if dec.hashes is None and dec.delta is None:
+                dec.hashes = hashes
+            return dec
+        dense = dec
+    skip, backoff = max(0, track.skip - 1), track.backoff
+    if dense:
+        backoff = min(MAX_BACKOFF, max(1, 2 * track.backoff))
+        skip = backoff
+    n, c = track.cycle_saves, track.cycle_bytes
+    estimate = track.xor_bytes if track.form == "xor" else 0  # the first XOR delta of a cycle is a measurement
+    # XOR deltas are for dense changes (most chunks moved); a few changed chunks deduplicate the rest already.
+    wide = track.form == "xor" or dense or len(changed_k) * 2 >= len(spans)
+    if (wide and pc.policy.xor_eligible(leaf) and pc.compressing and track.xor_skip == 0
+            and estimate <= pc.policy.xor_fraction * leaf.nbytes and estimate * n <= c
+            and pc.base_usable(track.base_chunks)
+            and (estimate or _xor_pays(leaf, data, spans, changed_k[len(changed_k) // 2], track.base_chunks, pc))):
+        xt = RowTrack(lay, tuple(xs), None, track.base_step, track.base_chunks, _EMPTY, skip, backoff, c, n,
+                      "xor", track.xor_bytes, 0, track.xor_backoff, base_checked=track.base_checked)
+        return Decision(xt, xs, xor=True, same=_same_as_base(track, xs, hashes))
+    return Decision(dataclasses.replace(full, skip=skip, backoff=backoff), xs, hashes=hashes)
+
+
+SAMPLE_BYTES = 256 << 10  # the slice of one changed chunk that decides whether a cycle's first XOR delta pays
+
+
+def _xor_pays(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], k: int, base: list[Triple],
+              pc: PlanContext) -> bool:
+    """Whether an XOR delta would store much less than the content itself, judged on a slice of chunk ``k`` (a
+    replaced tensor, e.g. a re-initialised head, XORs into noise that stores larger than the values)."""
+    off, n = spans[k]
+    a = (n - min(n, SAMPLE_BYTES)) // 2 // 8 * 8
+    b = a + min(n, SAMPLE_BYTES)
+    current = data[off + a : off + b]
+    delta = xor_into(current, pc.read_base(base[k], k)[a:b])
+    plain = len(pc.encode(current, leaf.itemsize))
+    return len(pc.encode(delta, leaf.itemsize)) <= pc.policy.xor_fraction * plain
+
+
+def _same_as_base(track: RowTrack, xs: list[str], hashes: list[str] | None) -> list[bool] | None:
+    """Which chunks are shown equal to the base's: by BLAKE3, or by XXH3 where both sides are this process's own
+    (never by an XXH3 read from disk). None: not known."""
+    base = track.base_chunks
+    assert base is not None
+    if hashes is not None:
+        return [h == b[0] for h, b in zip(hashes, base)]
+    if track.base_checked:
+        return [x == b[2] for x, b in zip(xs, base)]
+    return None
+
+
+def _plan_rows(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step: int, track: RowTrack,
+               hint: np.ndarray | None, pc: PlanContext, xs: list[str], changed_k: list[int]) -> Decision | bool:
+    """A row-delta plan for a changed table, or whether the change was dense (then XOR or full is for the caller)."""
+    nrows = leaf.shape[0]
+    rb = leaf.nbytes // nrows
+    changed = [spans[k] for k in changed_k]
+    changed_mask, in_changed = rows_in_spans(changed, rb, nrows)
+    digests = track.digests
+    xxh_track = tuple(xs)
+    if not track.trusted or digests is None:
+        # Compare with the base bytes themselves. Rows of unchanged chunks equal the base: a trusted track without
+        # digests stored its last save in full (that save is the base); for a track from disk, BLAKE3 showed it.
+        if not pc.base_usable(track.base_chunks):
+            return Decision(RowTrack(layout(leaf), tuple(xs), None, step, None, _EMPTY), xs)
+        touched = differing_rows(data, spans, changed_k, track.base_chunks, rb, nrows, pc)
+        patch = touched
+        digests = RowDigests.of(data, rb)  # later saves of this process compare with this content
+    else:
+        touched = None
+        if hint is not None:
+            touched = hint[changed_mask[hint]]  # rows in unchanged chunks did not change
+            if not _covers(changed, touched, rb, nrows):
+                touched = None  # a chunk changed without any touched row: the hint is incomplete, look at the rows
+            else:
+                digests = digests.with_rows(data, rb, touched)
+                # Rows of these chunks the hint did not name were not looked at: the next save re-examines them.
+                unseen = set(changed_k)
+                xxh_track = tuple("" if k in unseen else x for k, x in enumerate(xs))
+        if touched is None:
+            touched, digests = digests.detect(data, rb, in_changed)
+        patch = np.union1d(track.patch, touched)
+    if patch.size == 0:  # the content is the base's again: store it plainly (its chunks deduplicate)
+        return Decision(RowTrack(layout(leaf), xxh_track, digests, step, None, _EMPTY), xs)
+    budget = pc.policy.rebase_fraction * leaf.nbytes
+    cost = patch.size * (rb + 8)
+    # Rebase when another delta would raise the average bytes per save since the base (the patch is cumulative,
+    # so it only grows; for a growing patch this minimises bytes written), or when it passes the cap.
+    if cost <= budget and cost * track.cycle_saves <= track.cycle_bytes and pc.base_usable(track.base_chunks):
+        return Decision(RowTrack(layout(leaf), xxh_track, digests, track.base_step, track.base_chunks, patch,
+                                 cycle_bytes=track.cycle_bytes + cost, cycle_saves=track.cycle_saves + 1,
+                                 form="rows", xor_skip=track.xor_skip, xor_backoff=track.xor_backoff,
+                                 base_checked=track.base_checked),
+                        xs, gather(data, patch, rb))
+    if touched.size * (rb + 8) > budget:
+        return True  # dense update: pause row detection; the caller may store an XOR delta
+    return Decision(RowTrack(layout(leaf), xxh_track, digests, step, None, _EMPTY, xor_skip=track.xor_skip,
+                             xor_backoff=track.xor_backoff), xs)  # rebase
+
+
+def differing_rows(data: memoryview, spans: list[tuple[int, int]], ks: list[int], base: list[Triple], rb: int,
+                   nrows: int, pc: PlanContext) -> np.ndarray:
+    """Sorted numbers of the rows, within chunks ``ks``, whose bytes differ from the base chunks (read back and
+    verified, one chunk at a time per worker: memory stays at a chunk per core)."""
+    def one(k: int) -> np.ndarray:
+        off, n = spans[k]
+        b = np.frombuffer(pc.read_base(base[k], k), dtype=np.uint8)
+        c = np.frombuffer(data[off : off + n], dtype=np.uint8)
+        if off % rb == 0 and n % rb == 0:
+            w = 8 if rb % 8 == 0 else 1
+            diff = (c.view(f"u{w}") != b.view(f"u{w}")).reshape(-1, rb // w).any(axis=1)
+            return np.flatnonzero(diff) + off // rb
+        pos = np.flatnonzero(c != b)  # a row longer than a chunk (flat chunking): rows from byte positions
+        return np.unique((pos + off) // rb)
+
+    parts = list(pc.pool.map(one, ks))
+    out = np.concatenate(parts) if parts else _EMPTY
+    out = np.unique(out.astype(np.int64, copy=False))
+    return out[out < nrows]
+
+
+def xor_into(data: memoryview, base: memoryview) -> memoryview:
+    """``data`` XOR ``base`` as a new buffer (8 bytes at a time where the length allows)."""
+    w = "u8" if len(data) % 8 == 0 else "u1"
+    out = np.bitwise_xor(np.frombuffer(data, dtype=w), np.frombuffer(base, dtype=w))
+    return memoryview(out).cast("B")
+
+
+_ZEROS: dict[int, tuple[str, str, memoryview]] = {}
+_tls = threading.local()
+
+
+def base_scratch(size: int) -> memoryview:
+    """This thread's buffer for reading back a delta base chunk."""
+    buf = getattr(_tls, "base", None)
+    if buf is None or len(buf) < size:
+        buf = _tls.base = bytearray(size)
+    return memoryview(buf)[:size]
+
+
+def zero_chunk(size: int) -> tuple[str, str, memoryview]:
+    """(BLAKE3, XXH3-128, bytes) of ``size`` zero bytes: the XOR of a chunk with itself."""
+    z = _ZEROS.get(size)
+    if z is None:
+        zeros = memoryview(bytes(size))
+        z = _ZEROS[size] = (blake3.blake3(zeros).hexdigest(), xxhash.xxh3_128_hexdigest(zeros), zeros)
+        if len(_ZEROS) > 64:
+            _ZEROS.pop(next(iter(_ZEROS)))
+    return z
+
+
+def _covers(spans: list[tuple[int, int]], rows: np.ndarray, row_bytes: int, nrows: int) -> bool:
+    """Whether every span holds at least one of the sorted ``rows``."""
+    for off, length in spans:
+        r0, r1 = off // row_bytes, min(nrows, -(-(off + length) // row_bytes))
+        if np.searchsorted(rows, r0) == np.searchsorted(rows, r1):
+            return False
+    return True
+
+
+def disk_tracks(doc: dict[str, Any], policy: DeltaPolicy) -> dict[str, RowTrack]:
+    """Tracks for a process's first save of a run, from the run's newest manifest: each entry's base chunks (only
+    their BLAKE3 addresses are used, and checked against the bytes) and the writer hints of its delta."""
+    out: dict[str, RowTrack] = {}
+    if not policy.enabled:
+        return out
+    for e in doc.get("entries", []):
+        if "alias_of" in e or "chunks" not in e or e.get("scalar"):
+            continue
+        base = [(r[0], r[4], r[6]) for r in e["chunks"]]
+        lay = (e["kind"], e["dtype"], tuple(e["shape"]))
+        d = e.get("delta") or e.get("xor")
+        if d is None:
+            cost = sum(r[3] for r in e["chunks"])  # stored lengths: what the base cost
+            out[e["path"]] = RowTrack(lay, (), None, doc["step"], base, _EMPTY, cycle_bytes=cost, cycle_saves=1,
+                                      trusted=False, base_checked=False)
+            continue
+        # a delta of format_version 4 and older has no hint: count the base and this one delta
+        cycle = d.get("cycle") or [sum(r[3] for r in e["chunks"]) + sum(
+            r[3] for part in ("index", "values", "chunks") for r in d.get(part, [])), 2]
+        form = "rows" if "delta" in e else "xor"
+        xor_bytes = sum({r[0]: r[3] for r in d["chunks"]}.values()) if form == "xor" else 0
+        out[e["path"]] = RowTrack(lay, (), None, d["base_step"], base, _EMPTY, cycle_bytes=int(cycle[0]),
+                                  cycle_saves=int(cycle[1]), form=form, xor_bytes=xor_bytes, trusted=False,
+                                  base_checked=False)
+    return out
