@@ -190,6 +190,51 @@ def load_dcp(path: str, target: dict[str, Any]) -> dict[str, Any]:
     return target
 
 
+def build_module(state: dict[str, Any]) -> Any:
+    """A torch ``nn.Module`` whose ``state_dict()`` has exactly the keys, shapes and dtypes of ``state`` (submodules
+    made from the dotted names), every parameter allocated and zero-filled: resident memory, like a live model."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, t in state.items():
+        *parents, leaf = name.split(".")
+        mod = root
+        for part in parents:
+            child = mod._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.empty_like(t).zero_(), requires_grad=False))
+    return root
+
+
+def zero_module(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.zero_()
+
+
+def load_model_safetensors(model: Any, path: str, backend: str | None = None) -> Any:
+    """The peer of ``repo.load_into``: ``safetensors.torch.load_model(model, path)`` (load_file, then
+    ``model.load_state_dict``: every byte copied into the model's parameters). Default backend: mmap."""
+    from safetensors.torch import load_model
+
+    if backend is None:
+        load_model(model, path)
+    else:
+        load_model(model, path, backend=backend)
+    return model
+
+
+def load_into_luopan(repo: Any, model: Any) -> Any:
+    """``repo.load_into`` into the same model's parameters (their ``state_dict()`` views, written in place); every
+    chunk BLAKE3-verified before it is copied in (luopan's default; there is no switch to turn it off)."""
+    return repo.load_into(RUN, model.state_dict(), STEP)
+
+
 def resident_like(state: dict[str, Any]) -> dict[str, Any]:
     """A preallocated target with every page already resident (like a model's live parameters)."""
     import torch
@@ -248,8 +293,10 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
 
     samples: dict[str, list[float]] = {k: [] for k in (
         "st_save", "raw_save", "lp_save", "lp_save_after_st", "lp_save_after_raw",
-        "st_load_touch", "st_load_pread", "lp_load", "lp_load_into", "dcp_load",
-        "cold_st_load_touch", "cold_st_load_pread", "cold_lp_load", "cold_dcp_load")}
+        "st_load_model", "dcp_load", "lp_load_into", "lp_load_into_after_st_load_model",
+        "lp_load_into_after_dcp_load", "st_load_touch", "st_load_pread", "st_load_model_pread", "lp_load",
+        "cold_st_load_model", "cold_lp_load_into", "cold_dcp_load", "cold_st_load_touch", "cold_st_load_pread",
+        "cold_st_load_model_pread", "cold_lp_load")}
 
     # -- saves: alternate peer / luopan; the peer order flips every repetition ---------------------------------
     def one_lp_save(tag: str) -> float:
@@ -299,22 +346,25 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
     dcp_save_s, _ = timed(lambda: save_dcp(state, dcp_path))
     settle()
     has_pread = _st_has_backend()
-    target = resident_like(state)
+    # The destination of every "into" load: one model whose parameters are allocated and zero-filled (resident),
+    # as a live model's are. safetensors load_model, luopan load_into and DCP all write into it in place.
+    model = build_module(state)
 
     # one untimed pass of every loader: checks the data and warms the page cache
     problems = []
     checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("safetensors load_model", lambda: load_model_safetensors(model, st_path).state_dict()),
+        ("luopan load_into", lambda: load_into_luopan(repo, model)),
+        ("dcp load", lambda: load_dcp(dcp_path, model.state_dict())),
         ("luopan load", lambda: repo.load(RUN, STEP)),
         ("safetensors load_file (mmap)", lambda: load_safetensors_touched(st_path)),
-        ("dcp load", lambda: load_dcp(dcp_path, target)),
-        ("luopan load_into", lambda: repo.load_into(RUN, target)),
     ]
     if has_pread:
+        checks.append(("safetensors load_model (pread)",
+                       lambda: load_model_safetensors(model, st_path, "pread").state_dict()))
         checks.append(("safetensors load_file (pread)", lambda: load_safetensors_pread(st_path)))
     for name, fn in checks:
-        if name in ("dcp load", "luopan load_into"):
-            for t in target.values():
-                t.zero_()
+        zero_module(model)  # a loader that wrote nothing into the model would fail the check
         got = fn()
         if not same(got, state):
             problems.append(f"{name} returned different data")
@@ -337,44 +387,71 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
         del out
         return dt
 
+    def st_model() -> float:
+        return timed(lambda: load_model_safetensors(model, st_path))[0]
+
+    def st_model_pread() -> float:
+        return timed(lambda: load_model_safetensors(model, st_path, "pread"))[0]
+
     def dcp_load() -> float:
-        return timed(lambda: load_dcp(dcp_path, target))[0]
+        return timed(lambda: load_dcp(dcp_path, model.state_dict()))[0]
 
     def lp_load_into() -> float:
-        return timed(lambda: repo.load_into(RUN, target))[0]
+        return timed(lambda: load_into_luopan(repo, model))[0]
 
-    log(f"warm loads: {reps} repetitions of peer, luopan, peer, luopan (safetensors / DCP), plus extras")
+    log(f"warm loads: {reps} repetitions of peer, luopan, peer, luopan (safetensors load_model / DCP, each against "
+        "luopan load_into into the same model), then the context pair (lazy mmap load_file + touch / repo.load)")
     for r in range(reps):
-        pairs = [("st_load_touch", st_touch), ("dcp_load", dcp_load)]
+        pairs = [("st_load_model", st_model), ("dcp_load", dcp_load)]
         if r % 2:
             pairs.reverse()
         line = []
         for key, fn in pairs:
             p = fn()
-            lp = lp_load()
+            lp = lp_load_into()
             samples[key].append(p)
-            samples["lp_load"].append(lp)
-            line.append(f"{key} {p:.3f}s / luopan {lp:.3f}s")
-        samples["lp_load_into"].append(lp_load_into())
+            samples["lp_load_into"].append(lp)
+            samples[f"lp_load_into_after_{key}"].append(lp)
+            line.append(f"{key} {p:.3f}s / load_into {lp:.3f}s")
+        ctx = [("st_load_touch", st_touch), ("lp_load", lp_load)]
+        if r % 2:
+            ctx.reverse()
+        for key, fn in ctx:
+            samples[key].append(fn())
         if has_pread:
             samples["st_load_pread"].append(st_pread())
-        log(f"  rep {r + 1}: " + ", ".join(line) + f", load_into {samples['lp_load_into'][-1]:.3f}s")
+            samples["st_load_model_pread"].append(st_model_pread())
+        log(f"  rep {r + 1}: " + ", ".join(line) + f"; context: mmap+touch {samples['st_load_touch'][-1]:.3f}s / "
+            f"load {samples['lp_load'][-1]:.3f}s")
 
-    cold = cold_reps > 0 and can_drop_caches()
+    can_drop = cold_reps > 0 and can_drop_caches()
+    cold = can_drop
+    cold_note = None
+    if cold_reps == 0:
+        cold_note = "skipped: --cold-reps 0"
+    elif not can_drop:
+        cold_note = "skipped: needs root (dropping the page cache is not permitted here)"
     if cold:
         log(f"cold loads (page cache dropped before each): {cold_reps} repetitions")
         for r in range(cold_reps):
-            for key, fn in (("cold_st_load_touch", st_touch), ("cold_lp_load", lp_load),
-                            ("cold_dcp_load", dcp_load), ("cold_st_load_pread", st_pread if has_pread else None)):
+            order: list[tuple[str, Callable[[], float] | None]] = [
+                ("cold_st_load_model", st_model), ("cold_lp_load_into", lp_load_into),
+                ("cold_dcp_load", dcp_load), ("cold_lp_load_into_b", lp_load_into),
+                ("cold_st_load_touch", st_touch), ("cold_lp_load", lp_load),
+                ("cold_st_load_pread", st_pread if has_pread else None),
+                ("cold_st_load_model_pread", st_model_pread if has_pread else None)]
+            if r % 2:  # flip the order of the goal pair every repetition
+                order[0], order[1] = order[1], order[0]
+            for key, fn in order:
                 if fn is None:
                     continue
                 drop_caches()
-                samples[key].append(fn())
+                samples[key.removesuffix("_b")].append(fn())
             log(f"  rep {r + 1}: " + ", ".join(f"{k[5:]} {samples[k][-1]:.3f}s" for k in samples
                                              if k.startswith("cold_") and samples[k]))
-    elif cold_reps > 0:
-        log("cold loads skipped: dropping the page cache is not permitted here")
-    del target
+    else:
+        log(f"cold loads {cold_note}")
+    model = None  # free its memory before the RSS probes
     repo.close()
     for p in (lp_path, st_path, dcp_path):
         remove(p)
@@ -386,7 +463,7 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
         rss_results = {kind: rss_probe_subprocess(kind, size_mib, work) for kind in ("luopan", "safetensors")}
 
     machine["loadavg_end"] = loadavg()
-    results = assemble(samples, nbytes, dcp_save_s, has_pread, cold, rss_results, problems)
+    results = assemble(samples, nbytes, dcp_save_s, has_pread, cold, rss_results, problems, cold_note)
     return {
         "suite": "foundation",
         "size_mib": size_mib,
@@ -394,8 +471,12 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
         "state": describe_state(state),
         "config": {"reps": reps, "cold_reps": cold_reps if cold else 0, "cold_measured": cold,
                    "luopan_repo": "fresh repository per save (luopan.open untimed; repo.save timed)",
-                   "page_cache": "warm for the main load ratios (fixtures just written, one untimed load each "
-                                 "first); cold figures are extra fields"},
+                   "page_cache": "warm for the warm load ratios (fixtures just written, one untimed load each "
+                                 "first); P5.cold_vs_safetensors_into_model drops it before each load",
+                   "load_target": "one torch.nn.Module built from the state's names (parameters allocated and "
+                                  "zero-filled: resident); safetensors load_model, luopan load_into and DCP load "
+                                  "write into it in place",
+                   "cold_note": cold_note},
         "results": results,
         "samples_s": samples,
         "problems": problems,
@@ -442,8 +523,15 @@ def _cold(samples: dict[str, list[float]], peer_key: str, lp_key: str, cold: boo
             "peer_samples_s": samples[peer_key], "luopan_samples_s": samples[lp_key]}
 
 
+def _context(result: dict[str, Any]) -> dict[str, Any]:
+    """Mark a result as context only: no goal, nothing met or missed (kept for comparison with older runs)."""
+    result.update(context=True, goal=None, goal_op=None, met=None)
+    return result
+
+
 def assemble(samples: dict[str, list[float]], nbytes: int, dcp_save_s: float, has_pread: bool, cold: bool,
-             rss: dict[str, Any] | None, problems: list[str]) -> list[dict[str, Any]]:
+             rss: dict[str, Any] | None, problems: list[str], cold_note: str | None = None) -> list[dict[str, Any]]:
+    lp_into = median(samples["lp_load_into"])
     lp_load = median(samples["lp_load"])
     results = [
         _ratio_result(
@@ -462,13 +550,63 @@ def assemble(samples: dict[str, list[float]], nbytes: int, dcp_save_s: float, ha
             luopan_after_peer_median_s=median(samples["lp_save_after_raw"]),
         ),
         _ratio_result(
-            "P5.vs_safetensors_load", "safetensors load_file+touch", "safetensors load_file (default mmap backend) + touch one element per 4 KiB "
-            "page of every tensor", "st_load_touch", "lp_load", 0.8, samples, nbytes,
-            "Warm page cache on both sides. load_file returns lazily mmap-backed tensors; we then read one element "
-            "per 4 KiB page of every tensor (strided sum), so every page is mapped and resident: the page cache "
-            "pages are mapped, not copied, and nothing is verified. luopan = repo.load (fresh tensors, every chunk "
-            "read with preadv and BLAKE3-verified). Extra fields: safetensors with the copying pread backend, and "
-            "cold-cache figures (page cache dropped before each load) when permitted.",
+            "P5.vs_safetensors_into_model", "safetensors load_model", "safetensors.torch.load_model(model, file) "
+            "(default mmap backend: load_file, then model.load_state_dict copies every byte into the parameters)",
+            "st_load_model", "lp_load_into", 1.0, samples, nbytes,
+            "Warm page cache (fixtures just written, one untimed load of each first). Both load into the same "
+            "torch.nn.Module, whose parameters (the state's names, shapes and dtypes) are allocated and "
+            "zero-filled, i.e. resident, as a live model's are. luopan = repo.load_into(run, model.state_dict(), "
+            "step): in place, every chunk read and BLAKE3-verified before it is copied into the model "
+            "(verification on: luopan has no switch to turn it off). luopan samples are pooled over both "
+            "load_into peers (this one and DCP); luopan_after_peer_median_s uses only the load_into runs adjacent "
+            "to this peer. Context: extra_safetensors_pread_load_model (load_model with backend='pread').",
+            luopan_after_peer_median_s=median(samples["lp_load_into_after_st_load_model"]),
+            extra_safetensors_pread_load_model={
+                "peer_s": median(samples["st_load_model_pread"]),
+                "ratio": ratio(median(samples["st_load_model_pread"]), lp_into),
+                "peer_samples_s": samples["st_load_model_pread"],
+                "notes": "safetensors.torch.load_model(model, file, backend='pread')",
+            } if has_pread else None,
+        ),
+        _ratio_result(
+            "P5.cold_vs_safetensors_into_model", "safetensors load_model, cold",
+            "safetensors.torch.load_model(model, file) with the page cache dropped before the load",
+            "cold_st_load_model", "cold_lp_load_into", 1.2, samples, nbytes,
+            "As P5.vs_safetensors_into_model, but `sync; echo 3 > /proc/sys/vm/drop_caches` before every timed "
+            "load (peer and luopan alternate, the order flipping every repetition; luopan's samples are pooled "
+            "from the runs after the safetensors and after the DCP cold loads). Needs root; when the page cache "
+            "cannot be dropped the figure is null and `met` null (not judged)."
+            + ("" if cold else f" {cold_note}."),
+            cold_dcp=_cold(samples, "cold_dcp_load", "cold_lp_load_into", cold),
+            cold_pread=_cold(samples, "cold_st_load_model_pread", "cold_lp_load_into", cold and has_pread),
+            skipped=None if cold else cold_note,
+        ),
+        _ratio_result(
+            "P5.vs_dcp_load", "DCP load (into model)", "torch.distributed.checkpoint.load (FileSystemReader, single "
+            "process, no process group) into the same model's state_dict (in place)", "dcp_load", "lp_load_into",
+            1.5, samples, nbytes,
+            "Warm page cache. The DCP checkpoint was written once by dcp.save(FileSystemWriter) of the same state. "
+            "Both sides load into the same resident model (DCP into model.state_dict(), in place; luopan "
+            "repo.load_into, every chunk verified). luopan samples pooled as for "
+            "P5.vs_safetensors_into_model; luopan_after_peer_median_s uses only the runs adjacent to DCP. "
+            "Context: luopan_load_s / ratio_vs_load use repo.load (fresh tensors) instead.",
+            luopan_after_peer_median_s=median(samples["lp_load_into_after_dcp_load"]),
+            luopan_load_s=lp_load,
+            ratio_vs_load=ratio(median(samples["dcp_load"]), lp_load),
+            dcp_save_s_one_sample=dcp_save_s,
+            cold=_cold(samples, "cold_dcp_load", "cold_lp_load_into", cold),
+        ),
+        _context(_ratio_result(
+            "P5.vs_safetensors_load", "safetensors load_file+touch (lazy mmap)", "safetensors load_file (default "
+            "mmap backend) + touch one element per 4 KiB page of every tensor", "st_load_touch", "lp_load", 0.8,
+            samples, nbytes,
+            "CONTEXT ONLY, not a goal (replaced by P5.vs_safetensors_into_model in issue 15; its old goal was >= "
+            "0.8, kept in old_goal). Warm page cache on both sides. load_file returns lazily mmap-backed tensors; "
+            "we then read one element per 4 KiB page of every tensor (strided sum), so every page is mapped and "
+            "resident: the page cache pages are mapped, not copied, and nothing is verified. luopan = repo.load "
+            "(fresh tensors, every chunk read with preadv and BLAKE3-verified). Extra fields: safetensors with the "
+            "copying pread backend, and cold-cache figures (page cache dropped before each load) when permitted.",
+            old_goal=0.8,
             extra_safetensors_pread_load={
                 "peer_s": median(samples["st_load_pread"]),
                 "ratio": ratio(median(samples["st_load_pread"]), lp_load),
@@ -477,21 +615,11 @@ def assemble(samples: dict[str, list[float]], nbytes: int, dcp_save_s: float, ha
             } if has_pread else None,
             cold=_cold(samples, "cold_st_load_touch", "cold_lp_load", cold),
             cold_pread=_cold(samples, "cold_st_load_pread", "cold_lp_load", cold and has_pread),
-        ),
-        _ratio_result(
-            "P5.vs_dcp_load", "DCP load (resident target)", "torch.distributed.checkpoint.load (FileSystemReader, single process, no process "
-            "group) into a preallocated, resident state dict", "dcp_load", "lp_load", 1.5, samples, nbytes,
-            "Warm page cache. The DCP checkpoint was written once by dcp.save(FileSystemWriter) of the same state. "
-            "The DCP target is allocated and zero-filled outside the timer (resident, like a live model's "
-            "parameters), which favours DCP: repo.load must also fault in fresh memory. The ratio uses repo.load; "
-            "luopan_load_into_s is repo.load_into into the same resident target, for like-for-like context.",
-            luopan_load_into_s=median(samples["lp_load_into"]),
-            ratio_vs_load_into=ratio(median(samples["dcp_load"]), median(samples["lp_load_into"])),
-            luopan_load_into_samples_s=samples["lp_load_into"],
-            dcp_save_s_one_sample=dcp_save_s,
-            cold=_cold(samples, "cold_dcp_load", "cold_lp_load", cold),
-        ),
+        )),
     ]
+    cold_result = results[3]
+    if not cold:  # not judged: the page cache could not be dropped (or --cold-reps 0)
+        cold_result.update(ratio=None, met=None, peer_s=None, luopan_s=None)
     if rss is not None:
         lp, st = rss.get("luopan", {}), rss.get("safetensors", {})
         v = lp.get("peak_over_state_mib")
@@ -514,7 +642,8 @@ def assemble(samples: dict[str, list[float]], nbytes: int, dcp_save_s: float, ha
         })
     if problems:
         for r in results:
-            r["met"] = False
+            if r["met"] is not None:
+                r["met"] = False
             r["notes"] += " DATA MISMATCH: " + "; ".join(problems)
     return results
 

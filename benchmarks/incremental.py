@@ -1,6 +1,11 @@
-"""The `incremental` suite (issue 3): P2 (LoRA re-save vs torch.save and the MD5-delta method), P3 (row deltas of
-an embedding table, benchmarks/rowdelta.py), P4 (restore after 100 saves), P6 (async save stall), P8 (re-saving
-unchanged state).
+"""The `incremental` suite (issues 3 and 15): P2 (LoRA re-save vs torch.save and the MD5-delta method), P3 (row deltas
+of an embedding table, and the first re-save after a restart: benchmarks/rowdelta.py), P4 (restore after 100 saves),
+P6 (async save stall), P8 (re-saving unchanged state), P13 (full fine-tune: benchmarks/fullft.py), P14 (bf16
+compression against ZipNN: benchmarks/floatcodec.py), P15 (the manifests' share of a LoRA run's repository:
+benchmarks/manifest_share.py).
+
+P13, P14 and P15 are imported and run one by one: a module that is missing or a benchmark that fails is recorded as
+``{"id": ..., "error": "...", "met": False}`` and the suite goes on.
 
 P8.unchanged_over_full: a state of NumPy arrays (no version counters: change detection must look at the bytes) is
 saved into a fresh repository (a first, full save), then saved again unchanged as the next step of the same run.
@@ -13,9 +18,12 @@ into a fresh repository. Every tensor changes between saves. Goal <= 0.10.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,7 +52,30 @@ def build_numpy_state(size_mib: int, seed: int = 0) -> dict[str, Any]:
     return state
 
 
-def run_incremental(size_mib: int, reps: int, workdir_parent: str | None, log: Any) -> dict[str, Any]:
+def _guarded(rid: str, module: str, func: str, log: Any, call: Callable[[Callable[..., Any]], Any]) -> list[dict[str, Any]]:
+    """``call(module.func)`` as a list of results; a missing module/function or a failure becomes one error result
+    for ``rid`` (the rest of the suite still runs)."""
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except Exception as exc:  # noqa: BLE001  (a module still being written, a broken import)
+        log(f"  {rid}: cannot import {module}.{func}: {type(exc).__name__}: {exc}")
+        return [_error(rid, f"cannot import benchmarks/{module}.py {func}: {type(exc).__name__}: {exc}")]
+    try:
+        out = call(fn)
+    except Exception as exc:  # noqa: BLE001
+        log(f"  {rid}: FAILED: {type(exc).__name__}: {exc}")
+        return [_error(rid, f"{module}.{func} failed: {type(exc).__name__}: {exc}",
+                       traceback.format_exc()[-4000:])]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _error(rid: str, message: str, tb: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "error": message, "ratio": None, "value": None, "goal": None, "goal_op": None, "met": False,
+            **({"traceback": tb} if tb else {})}
+
+
+def run_incremental(size_mib: int, reps: int, workdir_parent: str | None, log: Any,
+                    quick: bool = False) -> dict[str, Any]:
     import luopan
 
     work = tempfile.mkdtemp(prefix="luopan-bench-inc-", dir=workdir_parent)
@@ -69,12 +100,20 @@ def run_incremental(size_mib: int, reps: int, workdir_parent: str | None, log: A
         p6 = _p6(size_mib, reps, work, log)
         p2 = run_p2(size_mib, reps, work, log)
         p4 = run_p4(max(32, size_mib // 4), 100, max(reps, 7), work, log)
-        p3 = run_p3(max(16, size_mib // 2), P3_INTERVALS, work, log)  # 512 MiB table at the default 1 GiB
+        table_mib = max(16, size_mib // 2)  # 512 MiB table at the default 1 GiB
+        p3 = run_p3(table_mib, P3_INTERVALS, work, log)
+        p3_first = _guarded("P3.first_resave_over_changed", "rowdelta", "first_resave", log,
+                            lambda fn: fn(table_mib, work, log))
+        p13 = _guarded("P13.fullft_logical_over_stored", "fullft", "run_p13", log,
+                       lambda fn: fn(size_mib, quick, work, log))
+        p14 = _guarded("P14.bf16_compression_vs_zipnn", "floatcodec", "run_p14", log,
+                       lambda fn: fn(size_mib, quick, work, log))
+        p15 = _guarded("P15.manifest_share", "manifest_share", "run_p15", log, lambda fn: fn(quick, work, log))
         return {
             "suite": "incremental",
             "size_mib": size_mib,
             "machine": machine_info(work),
-            "config": {"reps": reps},
+            "config": {"reps": reps, "quick": quick},
             "results": [{
                 "id": "P8.unchanged_over_full",
                 "ratio": round(ratio, 4),
@@ -91,7 +130,7 @@ def run_incremental(size_mib: int, reps: int, workdir_parent: str | None, log: A
                 "notes": "NumPy arrays (no version counters), so every byte is looked at: XXH3-128 per chunk "
                          "against the run's previous manifest (docs/format.md §5.1); BLAKE3 only for chunks "
                          "that changed (none here). Each repetition uses a fresh repository.",
-            }, p6, *p2, *p3, p4],
+            }, p6, *p2, *p3, *p3_first, p4, *p13, *p14, *p15],
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

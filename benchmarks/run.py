@@ -2,7 +2,9 @@
 """luopan benchmarks.
 
     python benchmarks/run.py --suite foundation [--size-mib 1024] [--quick] [--json OUT] [--workdir DIR]
-    python benchmarks/run.py --suite incremental [--size-mib 1024] [--quick] [--json OUT]   (P2, P4, P6, P8)
+                                                     (P1, P5, P7; P5.cold_* needs root to drop the page cache)
+    python benchmarks/run.py --suite incremental [--size-mib 1024] [--quick] [--json OUT]
+                                                     (P2, P3, P4, P6, P8, P13, P14, P15)
     python benchmarks/run.py --suite tiers [--size-mib 1024] [--quick] [--json OUT]         (T1, T2)
     python benchmarks/run.py --suite artifacts [--size-mib 1024] [--quick] [--json OUT]     (A1, A2, A3)
     python benchmarks/run.py --suite dist [--size-mib 1024] [--quick] [--json OUT]          (D1, D2, D3)
@@ -75,11 +77,19 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return format(x, spec)
 
 
+def _status(r: dict[str, Any]) -> str:
+    if r.get("met") is None:
+        return "skipped" if r.get("skipped") else "-"
+    return "met" if r["met"] else "MISSED"
+
+
 def rows(report: dict[str, Any]) -> list[list[str]]:
     out = []
     for r in report["results"]:
+        if r.get("context"):  # no goal: shown in the context table
+            continue
         op = r.get("goal_op", ">=")
-        status = "met" if r["met"] else "MISSED"
+        status = _status(r)
         if r["id"].startswith("P7"):
             out.append([r["id"], "peak RSS - state (MiB)", _fmt(r.get("safetensors_peak_over_state_mib"), ".0f")
                         + " (safetensors)", _fmt(r["value"], ".0f") + " (luopan)", _fmt(r["value"], ".0f"),
@@ -93,22 +103,38 @@ def rows(report: dict[str, Any]) -> list[list[str]]:
 def extra_rows(report: dict[str, Any]) -> list[list[str]]:
     out = []
     for r in report["results"]:
-        if r["id"] == "P5.vs_safetensors_load":
+        if r["id"] == "P5.vs_safetensors_into_model":
+            pr = r.get("extra_safetensors_pread_load_model")
+            if pr:
+                out.append([f"{r['id']} (peer: load_model backend=pread, warm)", _fmt(pr["peer_s"]),
+                            _fmt(r["luopan_s"]), _fmt(pr["ratio"], ".2f")])
+        if r["id"] == "P5.cold_vs_safetensors_into_model":
+            if r.get("skipped"):
+                out.append([f"{r['id']} ({r['skipped']})", "-", "-", "-"])
+            for key, label in (("cold_pread", "peer: load_model backend=pread, cold"),
+                               ("cold_dcp", "peer: DCP into the model, cold")):
+                c = r.get(key)
+                if c:
+                    out.append([f"{r['id']} ({label})", _fmt(c["peer_s"]), _fmt(c["luopan_s"]),
+                                _fmt(c["ratio"], ".2f")])
+        if r["id"] == "P5.vs_safetensors_load":  # context only (the pre-issue-15 P5 figure, lazy mmap)
+            out.append([f"{r['id']} (lazy mmap load_file+touch vs repo.load, warm; no goal)", _fmt(r["peer_s"]),
+                        _fmt(r["luopan_s"]), _fmt(r["ratio"], ".2f")])
             pr = r.get("extra_safetensors_pread_load")
             if pr:
-                out.append([f"{r['id']} (peer: pread backend, warm)", _fmt(pr["peer_s"]), _fmt(r["luopan_s"]),
-                            _fmt(pr["ratio"], ".2f")])
-            for key, label in (("cold", "mmap+touch, cold cache"), ("cold_pread", "pread backend, cold cache")):
+                out.append([f"{r['id']} (load_file backend=pread vs repo.load, warm)", _fmt(pr["peer_s"]),
+                            _fmt(r["luopan_s"]), _fmt(pr["ratio"], ".2f")])
+            for key, label in (("cold", "mmap+touch vs repo.load, cold"), ("cold_pread", "pread vs repo.load, cold")):
                 c = r.get(key)
                 if c:
                     out.append([f"{r['id']} ({label})", _fmt(c["peer_s"]), _fmt(c["luopan_s"]),
                                 _fmt(c["ratio"], ".2f")])
         if r["id"] == "P5.vs_dcp_load":
-            out.append([f"{r['id']} (luopan load_into, warm)", _fmt(r["peer_s"]), _fmt(r["luopan_load_into_s"]),
-                        _fmt(r["ratio_vs_load_into"], ".2f")])
+            out.append([f"{r['id']} (luopan repo.load, fresh tensors, warm)", _fmt(r["peer_s"]),
+                        _fmt(r.get("luopan_load_s")), _fmt(r.get("ratio_vs_load"), ".2f")])
             c = r.get("cold")
             if c:
-                out.append([f"{r['id']} (cold cache)", _fmt(c["peer_s"]), _fmt(c["luopan_s"]),
+                out.append([f"{r['id']} (cold cache, load_into)", _fmt(c["peer_s"]), _fmt(c["luopan_s"]),
                             _fmt(c["ratio"], ".2f")])
     return out
 
@@ -130,12 +156,13 @@ def print_report(report: dict[str, Any]) -> None:
         for h in head:
             t.add_column(h, justify="right" if h in ("peer s", "luopan s", "ratio") else "left")
         for row in rows(report):
-            style = "green" if row[-1] == "met" else "bold red"
+            style = {"met": "green", "MISSED": "bold red"}.get(row[-1], "yellow")
             t.add_row(*row[:-1], f"[{style}]{row[-1]}[/{style}]")
         console.print(t)
         x = extra_rows(report)
         if x:
-            t2 = Table(title="context: alternative peer modes and cold cache", title_justify="left")
+            t2 = Table(title="context (not goals): alternative peer modes, cold cache, the old lazy-mmap P5",
+                       title_justify="left")
             for h in xhead:
                 t2.add_column(h, justify="left" if h == xhead[0] else "right")
             for row in x:
@@ -158,9 +185,11 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB RAM, workdir on "
           f"{(m.get('workdir_mount') or {}).get('fstype', '?')}; load average at start {m.get('loadavg_start')}, "
           f"at end {m.get('loadavg_end')} (other work on the machine makes the figures noisier)")
-    missed = [r["id"] for r in report["results"] if not r["met"]]
+    missed = [r["id"] for r in report["results"] if r["met"] is False]
+    skipped = [r["id"] for r in report["results"] if r["met"] is None and not r.get("context")]
     print("ratio = peer seconds / luopan seconds (> 1: luopan faster); P7 in MiB (lower is better).")
-    print("goals missed: " + (", ".join(missed) if missed else "none"))
+    print("goals missed: " + (", ".join(missed) if missed else "none")
+          + (f"; not judged (skipped): {', '.join(skipped)}" if skipped else ""))
     if report.get("problems"):
         print("DATA PROBLEMS: " + "; ".join(report["problems"]))
 
@@ -218,25 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         _write_json(args.json, report)
         return 0
     if args.suite == "incremental":
-        report = incremental.run_incremental(args.size_mib, args.reps, args.workdir, log)
+        report = incremental.run_incremental(args.size_mib, args.reps, args.workdir, log, quick=args.quick)
         log("done")
         for r in report["results"]:
-            detail = {
-                "P8": lambda: f"full save {r['luopan_full_save_s']:.3f}s, unchanged re-save "
-                              f"{r['luopan_unchanged_resave_s']:.3f}s, re-save wrote {r['resave_bytes_written']} "
-                              f"bytes of {r['state_bytes']}",
-                "P6": lambda: f"save_async blocked {r['luopan_async_stall_s']:.3f}s, synchronous save "
-                              f"{r['luopan_sync_save_s']:.3f}s, {r['state_bytes']} bytes",
-                "P2": lambda: (f"peer {r['peer_s']:.3f}s, luopan {r['luopan_s']:.3f}s (trust_versions), "
-                               f"default mode ratio {r['ratio_default_mode']}") if "peer_s" in r else
-                              f"wrote {r['luopan_stored_bytes']} bytes for {r['changed_tensor_bytes']} changed",
-                "P4": lambda: f"load #{r['saves']} {r['load_last_s']:.3f}s vs load #1 {r['load_first_s']:.3f}s",
-                "P3": lambda: (f"{r['table_bytes'] >> 20} MiB table, {r['intervals']} intervals: auto {r['ratio']}, "
-                               f"touched_rows hint {r['ratio_hint_mode']}, row deltas off {r['ratio_deltas_off']}, "
-                               f"ideal {r['ideal_ratio']}; table rewrites {r['table_rewrites']}"),
-            }[r["id"][:2]]()
-            print(f"{r['id']}: {r['ratio']:.4f} (goal {r['goal_op']} {r['goal']}: {'met' if r['met'] else 'MISSED'})"
-                  f"; {detail}")
+            print(_incremental_line(r))
+        errors = [r["id"] for r in report["results"] if "error" in r]
+        missed = [r["id"] for r in report["results"] if r.get("met") is False and "error" not in r]
+        print("goals missed: " + (", ".join(missed) if missed else "none")
+              + (f"; FAILED to run: {', '.join(errors)}" if errors else ""))
         _write_json(args.json, report)
         return 0
     report = foundation.run_foundation(args.size_mib, args.reps, args.cold_reps, args.workdir, not args.no_rss,
@@ -247,6 +265,58 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     _write_json(args.json, report)
     return 0
+
+
+def _incremental_detail(r: dict[str, Any]) -> str:
+    """The detail after an incremental result's figure: by full id first, then by the id's prefix before the dot
+    ("P3", "P13", ...), else its notes."""
+    by_id = {
+        "P3.first_resave_over_changed": lambda: (
+            f"{r['table_bytes'] >> 20} MiB table, {r['changed_rows']} rows changed ({r['changed_row_bytes']} "
+            f"bytes): the first re-save in a new process stored {r['stored_bytes']} bytes in {r['luopan_s']:.3f}s; "
+            f"restart without a load: ratio {r['ratio_restart_without_load']}; in one process: ratio "
+            f"{r['ratio_in_process']}; by disk growth {r['ratio_by_disk_growth']}"),
+        "P13.fullft_logical_over_stored": lambda: (
+            f"bytes ratio {'met' if r['ratio_met'] else 'MISSED'}; save time ratio {r['save_time_ratio']} (goal <= "
+            f"{r['save_time_goal']}: {'met' if r['save_time_met'] else 'MISSED'}); stored {r['stored_bytes']} of "
+            f"{r['logical_bytes']} logical bytes over {r['saves']} saves"),
+        "P14.bf16_compression_vs_zipnn": lambda: (
+            f"luopan {r['luopan_bytes']} B, zipnn {r['zipnn_bytes']} B of {r['raw_bytes']} raw bf16 bytes"),
+        "P15.manifest_share": lambda: (
+            f"{r['saves']} LoRA saves: manifests {r['manifest_bytes']} B ({r['manifests']} files, mean "
+            f"{r['manifest_mean_bytes']} B), index {r['index_bytes']} B ({r['index_files']} files), packs "
+            f"{r['pack_bytes']} B, all {r['total_bytes']} B"),
+    }
+    by_prefix = {
+        "P8": lambda: f"full save {r['luopan_full_save_s']:.3f}s, unchanged re-save "
+                      f"{r['luopan_unchanged_resave_s']:.3f}s, re-save wrote {r['resave_bytes_written']} "
+                      f"bytes of {r['state_bytes']}",
+        "P6": lambda: f"save_async blocked {r['luopan_async_stall_s']:.3f}s, synchronous save "
+                      f"{r['luopan_sync_save_s']:.3f}s, {r['state_bytes']} bytes",
+        "P2": lambda: (f"peer {r['peer_s']:.3f}s, luopan {r['luopan_s']:.3f}s (trust_versions), "
+                       f"default mode ratio {r['ratio_default_mode']}") if "peer_s" in r else
+                      f"wrote {r['luopan_stored_bytes']} bytes for {r['changed_tensor_bytes']} changed",
+        "P4": lambda: f"load #{r['saves']} {r['load_last_s']:.3f}s vs load #1 {r['load_first_s']:.3f}s",
+        "P3": lambda: (f"{r['table_bytes'] >> 20} MiB table, {r['intervals']} intervals: auto {r['ratio']}, "
+                       f"touched_rows hint {r['ratio_hint_mode']}, row deltas off {r['ratio_deltas_off']}, "
+                       f"ideal {r['ideal_ratio']}; table rewrites {r['table_rewrites']}"),
+    }
+    fn = by_id.get(r["id"]) or by_prefix.get(r["id"].split(".")[0])
+    try:
+        if fn is not None:
+            return fn()
+    except (KeyError, TypeError, ValueError):
+        pass
+    notes = str(r.get("notes", ""))
+    return notes if len(notes) <= 200 else notes[:197] + "..."
+
+
+def _incremental_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['id']}: FAILED to run: {r['error']}"
+    figure = "-" if r.get("ratio") is None else f"{r['ratio']:.4f}"
+    status = {True: "met", False: "MISSED"}.get(r.get("met"), "not judged")
+    return f"{r['id']}: {figure} (goal {r.get('goal_op')} {r.get('goal')}: {status}); {_incremental_detail(r)}"
 
 
 def _write_json(path: str | None, report: dict[str, Any]) -> None:
