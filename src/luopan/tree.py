@@ -2,8 +2,7 @@
 
 Nothing here pickles. Containers are dicts (string or integer keys), lists and tuples; leaves are NumPy arrays and
 scalars, torch tensors, JSON scalars and typed values (luopan.typed: Path, datetime, set, dataclass, …). Anything
-else is refused, every offending key path at once, with a way to convert it.
-"""
+else is refused, every offending key path at once, with a way to convert it."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import typed
+from ._memory import advise_huge_pages
 from .errors import LuopanError, UnsupportedValueError
 from .format.limits import MAX_NDIM, MAX_PATH_CHARS, shape_fits
 from .format.names import join_path
@@ -64,8 +64,7 @@ class Leaf:
     frozen: memoryview | None = None  # a snapshot of the bytes (save_async), used instead of obj
 
     @property
-    def itemsize(self) -> int:
-        """Bytes per element of floating-point entries, the float codec's candidates (0 for others)."""
+    def itemsize(self) -> int:  # bytes per element of floating-point entries, the float codec's candidates, else 0
         return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}.get(self.dtype, 0)
 
     def host_bytes(self) -> memoryview:
@@ -386,14 +385,16 @@ def new_array(kind: str, dtype: str, shape: list[int]) -> tuple[Any, memoryview]
             try:
                 import torch  # noqa: F811
             except ImportError:
-                raise LuopanError(
-                    "this checkpoint holds torch tensors; install torch (pip install 'luopan[torch]')"
-                ) from None
+                raise LuopanError("this checkpoint holds torch tensors; install torch (pip install "
+                                  "'luopan[torch]')") from None
         if dtype not in TORCH_DTYPE_SIZES:  # never getattr an unchecked name on the torch module
             raise ValueError(f"unsupported torch dtype {dtype!r}")
-        t = torch.empty(shape, dtype=getattr(torch, dtype))
-        if t.numel() == 0:
-            return t, memoryview(bytearray())
-        return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
-    arr = np.empty(shape, dtype=np.dtype(dtype))
-    return arr, memoryview(arr.reshape(-1).view(np.uint8))
+        obj = torch.empty(shape, dtype=getattr(torch, dtype))
+        if obj.numel() == 0:
+            return obj, memoryview(bytearray())
+        flat = obj.reshape(-1).view(torch.uint8).numpy()
+    else:
+        obj = np.empty(shape, dtype=np.dtype(dtype))
+        flat = obj.reshape(-1).view(np.uint8)
+    advise_huge_pages(flat.ctypes.data, flat.nbytes)  # fewer page faults as the load fills it
+    return obj, memoryview(flat)
