@@ -62,7 +62,7 @@ def test_a_new_process_does_not_trust_rows_read_from_disk(tmp_path, blake3_calls
 
 
 def test_crafted_manifest_rows_cannot_poison_a_save(tmp_path):
-    from luopan.format.canonical import seal, unseal
+    from luopan.format.canonical import inflate_json, seal, unseal
 
     rng = np.random.default_rng(1)
     public = {"w": rng.standard_normal((64, 1024), dtype=np.float32)}
@@ -70,9 +70,9 @@ def test_crafted_manifest_rows_cannot_poison_a_save(tmp_path):
     repo = luopan.open(tmp_path / "r", chunk_size=64 * 1024)
     repo.save("evil", 1, evil)
     repo.save("r", 1, public)
-    m_evil = unseal(next(repo.store.get(k) for k in repo.store.list("runs/evil/ckpt/")))
+    m_evil = unseal(inflate_json(next(repo.store.get(k) for k in repo.store.list("runs/evil/ckpt/"))))
     key = next(repo.store.list("runs/r/ckpt/"))
-    doc = unseal(repo.store.get(key))
+    doc = unseal(inflate_json(repo.store.get(key)))
     for row, bad in zip(doc["entries"][0]["chunks"], m_evil["entries"][0]["chunks"]):
         row[0], row[1:6] = bad[0], [0, *bad[2:6]]  # keep the public XXH3, point at the evil chunk
     doc["packs"] = m_evil["packs"]

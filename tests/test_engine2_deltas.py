@@ -224,3 +224,93 @@ def test_a_version_4_reader_refuses_a_version_5_manifest(tmp_path, monkeypatch):
     monkeypatch.setattr(fmt, "FORMAT_VERSION", 4)
     with pytest.raises(luopan.UnsupportedFormatError, match="newer"):
         luopan.open(tmp_path / "r").load("run", 1)
+
+
+def _reseal(path, step, edit):
+    mpath = os.path.join(path, "runs", "run", "ckpt", f"{step:08d}.json")
+    from luopan.format.canonical import inflate_json
+
+    doc = unseal(inflate_json(open(mpath, "rb").read()))
+    edit(doc)
+    with open(mpath, "wb") as f:
+        f.write(seal(doc))
+
+
+def test_xxh3_of_disk_base_rows_decides_nothing_at_the_next_save_either(tmp_path):
+    """Review finding: base rows taken from disk into this process's delta manifest must not steer its next save."""
+    import xxhash
+
+    from luopan.format.chunking import chunk_spans
+
+    path = tmp_path / "r"
+    emb = table()
+    luopan.open(path, compression="none", delta_policy=POLICY).save("run", 0, {"emb": emb})
+    future = np.zeros_like(emb)  # what chunk 1 will hold at step 2 (predictable content, e.g. a reset)
+    off, n = chunk_spans(emb.nbytes, emb.shape, luopan.open(path).config.chunk_size)[1][1]
+    lie = xxhash.xxh3_128_hexdigest(future.reshape(-1).view(np.uint8)[off : off + n])
+    _reseal(path, 0, lambda d: d["entries"][0]["chunks"][1].__setitem__(6, lie))
+    repo = luopan.open(path, delta_policy=POLICY)
+    emb1 = emb.copy()
+    emb1[:50] += 1
+    repo.save("run", 1, {"emb": emb1})
+    assert "delta" in repo.manifest("run", 1).entry("emb")
+    repo.save("run", 2, {"emb": future})  # same process, stored in full
+    assert np.array_equal(luopan.open(path).load("run", 2)["emb"], future)
+
+
+def test_many_damaged_bases_never_fail_a_save(tmp_path):
+    path = tmp_path / "r"
+    rng = np.random.default_rng(0)
+    state = {f"t{i}": rng.standard_normal((2048, 128), dtype=np.float32) for i in range(10)}
+    repo = luopan.open(path, compression="none", delta_policy=POLICY)
+    repo.save("run", 0, state)
+    m = repo.manifest("run", 0)
+    for e in m.entries:  # one flipped byte in every table's chunk
+        r = e["chunks"][0]
+        pack = m.packs[r[1]]
+        with open(os.path.join(path, "packs", pack[:2], pack + ".pack"), "r+b") as f:
+            f.seek(r[2] + 10)
+            b = f.read(1)
+            f.seek(r[2] + 10)
+            f.write(bytes([b[0] ^ 1]))
+    for t in state.values():
+        t[:4] += 1
+    repo = luopan.open(path, delta_policy=POLICY)
+    with pytest.warns(UserWarning, match="storing the entry in full"):
+        repo.save("run", 1, state)
+    got = repo.load("run", 1)
+    assert all(np.array_equal(got[k], v) and "delta" not in repo.manifest("run", 1).entry(k) for k, v in state.items())
+
+
+def test_a_base_row_of_the_wrong_size_is_not_used(tmp_path):
+    path = tmp_path / "r"
+    a, z = np.zeros((ROWS, DIM), dtype=np.float32), np.zeros(2, dtype=np.float32)
+    luopan.open(path, compression="none", delta_policy=POLICY).save("run", 0, {"A": a, "Z": z})
+
+    def edit(doc):  # A's chunk 0 points at Z's 8-byte chunk, its chunk 1 claims the rest
+        ents = {e["path"]: e for e in doc["entries"]}
+        a1 = list(ents["A"]["chunks"][1])
+        a1[3] = a1[4] = a.nbytes - 8
+        ents["A"]["chunks"] = [list(ents["Z"]["chunks"][0]), a1]
+
+    _reseal(path, 0, edit)
+    a[:10] = 1
+    repo = luopan.open(path, delta_policy=POLICY)
+    repo.save("run", 1, {"A": a, "Z": z})
+    assert np.array_equal(luopan.open(path).load("run", 1)["A"], a)
+
+
+def test_diff_counts_the_content_of_xor_entries(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(4096, 1024, generator=g) * 0.02).to(torch.bfloat16)  # two 4 MiB chunks
+    repo = luopan.open(tmp_path / "r", compression="zstd")
+    repo.save("run", 0, {"w": w})
+    w1 = w.clone()
+    w1[2048:] += (torch.randn(2048, 1024, generator=g) * 2e-4).to(torch.bfloat16)  # chunk 1 moves densely
+    repo.save("run", 1, {"w": w1})
+    assert "xor" in repo.manifest("run", 1).entry("w")
+    repo.save("run", 2, {"w": w})  # the base's bytes again: stored as its chunks, no XOR to read
+    assert "xor" not in repo.manifest("run", 2).entry("w")
+    assert repo.diff("run", 0, 1)["changed_bytes"] == 4 << 20
+    assert repo.diff("run", 1, 2)["changed_bytes"] == 4 << 20
+    assert repo.diff("run", 0, 2)["changed_bytes"] == 0

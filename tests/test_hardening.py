@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import luopan
 from luopan.cli.main import app
-from luopan.format.canonical import seal, unseal
+from luopan.format.canonical import inflate_json, seal, unseal
 from luopan.repository.locks import list_locks
 from luopan.retention import KeepBest, KeepLast
 
@@ -46,7 +46,7 @@ def two_checkpoints(root, run=RUN, **metrics):
 
 
 def reseal(path, edit):
-    doc = unseal(path.read_bytes())
+    doc = unseal(inflate_json(path.read_bytes()))  # manifests may be zstd frames (§4)
     edit(doc)
     path.write_bytes(seal(doc))
 
@@ -542,7 +542,7 @@ def test_numpy_and_torch_integer_steps_are_steps(root):
         repo.save(RUN, np.int64(3), state(3))
         repo.save(RUN, torch.tensor(4), state(4))
         assert repo.steps(RUN) == [3, 4]
-        assert unseal(manifest(root, 4).read_bytes())["step"] == 4
+        assert unseal(inflate_json(manifest(root, 4).read_bytes()))["step"] == 4
         assert repo.load(RUN, np.uint8(3))["b"][0] == 3
 
 

@@ -185,7 +185,7 @@ def test_manifest_contents(repo, tmp_path, monkeypatch):
     environment._code_version.cache_clear()
     raw = next(repo.store.list("runs/r/ckpt/"))
     assert raw == "runs/r/ckpt/00000007.json"
-    doc = unseal(repo.store.get(raw))
+    doc = unseal(inflate_json(repo.store.get(raw)))
     # version 1, or 5 where compression="auto" (the default) stored a chunk with the float codec (docs/format.md §6.1)
     assert doc["format_version"] == (5 if '"bytegroup"' in json.dumps(doc["entries"]) else 1)
     assert doc["run"] == "r" and doc["step"] == 7

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import luopan
-from luopan.format.canonical import seal, unseal
+from luopan.format.canonical import inflate_json, seal, unseal
 from luopan.format.names import manifest_key
 
 
@@ -64,7 +64,7 @@ def test_typed_values_round_trip(repo):
     assert set(hp["cfg"]) == {"lr", "weights"} and torch.equal(hp["cfg"]["weights"], torch.ones(3))
     assert back["lora"] == {"target_modules": {"q_proj", "v_proj"}, "frozen": frozenset({1, 3})}
     assert info.logical_bytes == 4 * 4 + 3 * 4  # the tensor inside the dataclass is an entry like any other
-    doc = unseal(repo.store.get(manifest_key("typed", 1)))
+    doc = unseal(inflate_json(repo.store.get(manifest_key("typed", 1))))
     assert 'Color' in json.dumps(doc["tree"])  # the class is recorded for people to read
     repo.save("plain", 1, {"x": np.arange(3)})
     assert repo.manifest("plain", 1).doc["format_version"] == 1
@@ -102,7 +102,7 @@ def test_everything_unsupported_is_refused_at_once(repo):
 def test_damaged_typed_values_are_refused_on_load(repo, spec, match):
     repo.save("t", 1, {"x": 1})
     key = manifest_key("t", 1)
-    doc = unseal(repo.store.get(key))
+    doc = unseal(inflate_json(repo.store.get(key)))
     doc.pop("checksum", None)
     doc["tree"] = {"dict": [["x", {"typed": spec}]]}
     doc["format_version"] = 3

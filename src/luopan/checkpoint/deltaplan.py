@@ -13,6 +13,7 @@ lists and a load returns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +58,8 @@ def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
     if track is not None:  # XOR backoff survives a rebase
         full = dataclasses.replace(full, xor_skip=max(0, track.xor_skip - 1), xor_backoff=track.xor_backoff)
     if (track is None or track.layout != lay or track.base_chunks is None
-            or len(track.base_chunks) != len(spans)):
-        return Decision(full, xs)  # nothing to compare with
+            or [b[1] for b in track.base_chunks] != [n for _o, n in spans]):
+        return Decision(full, xs)  # nothing to compare with (or a base cut otherwise: a crafted manifest)
     hashes = None
     if track.trusted:
         changed_k = [k for k, (x, old) in enumerate(zip(xs, track.xxh)) if x != old]
@@ -72,7 +73,10 @@ def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
             return Decision(full, xs)
         if track.form == "rows":  # same content as the previous save: the same patch
             return Decision(track, xs, gather(data, track.patch, leaf.nbytes // leaf.shape[0]))
-        return Decision(dataclasses.replace(track, xxh=tuple(xs)), xs, xor=True, same=_same_as_base(track, xs, None))
+        same = _same_as_base(track, xs, None)
+        if same is not None and all(same):
+            return Decision(full, xs)
+        return Decision(dataclasses.replace(track, xxh=tuple(xs)), xs, xor=True, same=same)
 
     dense = False
     if pc.policy.eligible(leaf) and track.skip == 0 and track.form != "xor":
@@ -96,7 +100,10 @@ def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
             and (estimate or _xor_pays(leaf, data, spans, changed_k[len(changed_k) // 2], track.base_chunks, pc))):
         xt = RowTrack(lay, tuple(xs), None, track.base_step, track.base_chunks, _EMPTY, skip, backoff, c, n,
                       "xor", track.xor_bytes, 0, track.xor_backoff, base_checked=track.base_checked)
-        return Decision(xt, xs, xor=True, same=_same_as_base(track, xs, hashes))
+        same = _same_as_base(track, xs, hashes)
+        if same is not None and all(same):  # the base's bytes again: its chunks, no XOR delta to read
+            return Decision(dataclasses.replace(full, skip=skip, backoff=backoff), xs, hashes=hashes)
+        return Decision(xt, xs, xor=True, same=same)
     return Decision(dataclasses.replace(full, skip=skip, backoff=backoff), xs, hashes=hashes)
 
 
@@ -205,7 +212,6 @@ def xor_into(data: memoryview, base: memoryview) -> memoryview:
     return memoryview(out).cast("B")
 
 
-_ZEROS: dict[int, tuple[str, str, memoryview]] = {}
 _tls = threading.local()
 
 
@@ -217,15 +223,11 @@ def base_scratch(size: int) -> memoryview:
     return memoryview(buf)[:size]
 
 
+@functools.lru_cache(maxsize=16)
 def zero_chunk(size: int) -> tuple[str, str, memoryview]:
-    """(BLAKE3, XXH3-128, bytes) of ``size`` zero bytes: the XOR of a chunk with itself."""
-    z = _ZEROS.get(size)
-    if z is None:
-        zeros = memoryview(bytes(size))
-        z = _ZEROS[size] = (blake3.blake3(zeros).hexdigest(), xxhash.xxh3_128_hexdigest(zeros), zeros)
-        if len(_ZEROS) > 64:
-            _ZEROS.pop(next(iter(_ZEROS)))
-    return z
+    """(BLAKE3, XXH3-128, bytes) of ``size`` zero bytes: the XOR of a chunk with itself (cached, thread-safe)."""
+    zeros = memoryview(bytes(size))
+    return blake3.blake3(zeros).hexdigest(), xxhash.xxh3_128_hexdigest(zeros), zeros
 
 
 def _covers(spans: list[tuple[int, int]], rows: np.ndarray, row_bytes: int, nrows: int) -> bool:
@@ -235,6 +237,16 @@ def _covers(spans: list[tuple[int, int]], rows: np.ndarray, row_bytes: int, nrow
         if np.searchsorted(rows, r0) == np.searchsorted(rows, r1):
             return False
     return True
+
+
+def estimated_cycle(e: dict[str, Any]) -> list[int]:
+    """The writer's ``cycle`` hint of a delta entry; for one of format_version 4 and older, which has none, the
+    base and this one delta."""
+    d = e.get("delta") or e.get("xor") or {}
+    if "cycle" in d:
+        return list(d["cycle"])
+    return [sum(r[3] for r in e["chunks"]) + sum(r[3] for part in ("index", "values", "chunks")
+                                                  for r in d.get(part, [])), 2]
 
 
 def disk_tracks(doc: dict[str, Any], policy: DeltaPolicy) -> dict[str, RowTrack]:
@@ -254,9 +266,7 @@ def disk_tracks(doc: dict[str, Any], policy: DeltaPolicy) -> dict[str, RowTrack]
             out[e["path"]] = RowTrack(lay, (), None, doc["step"], base, _EMPTY, cycle_bytes=cost, cycle_saves=1,
                                       trusted=False, base_checked=False)
             continue
-        # a delta of format_version 4 and older has no hint: count the base and this one delta
-        cycle = d.get("cycle") or [sum(r[3] for r in e["chunks"]) + sum(
-            r[3] for part in ("index", "values", "chunks") for r in d.get(part, [])), 2]
+        cycle = estimated_cycle(e)
         form = "rows" if "delta" in e else "xor"
         xor_bytes = sum({r[0]: r[3] for r in d["chunks"]}.values()) if form == "xor" else 0
         out[e["path"]] = RowTrack(lay, (), None, d["base_step"], base, _EMPTY, cycle_bytes=int(cycle[0]),

@@ -16,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, LuopanError, OutputPathError, StorageFullError, UnsupportedValueError
-from ..format.manifest import Manifest, rows_of
+from ..format.manifest import Manifest, Row, rows_of
 from ..store.base import Store
 from ..repository.parallel import WORKERS, ordered_map
 from ..repository.chunkio import ChunkRef, read_chunk, read_chunks
+from .deltaplan import zero_chunk
 from .read import PendingDelta, PendingXor, check_rows, chunk_refs, delta_jobs
 
 # safetensors dtype codes, by luopan dtype name (torch names and NumPy names coincide where both exist)
@@ -160,10 +161,14 @@ def _output_error(exc: OSError, path: str) -> OSError:
 
 def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:
     """Entries added, removed and changed from ``a`` to ``b``, with the bytes of chunks that differ."""
-    def chunks(m: Manifest, e: dict[str, Any]) -> list[tuple[str, int]]:
-        """(hash, size) of the entry's stored parts: chunks, then any row delta's index and values."""
+    def chunks(m: Manifest, e: dict[str, Any]) -> list[tuple[Any, int]]:
+        """(content key, size) of the entry's stored parts: chunks, then any row delta's index and values. A chunk
+        of an XOR delta is its base chunk where the XOR is all zeros, else the pair (base, XOR)."""
         src = m.entries[e["alias_of"]] if "alias_of" in e else e
-        return [(r.hash, r.size) for r in rows_of(src)]
+        if "xor" not in src:
+            return [(r.hash, r.size) for r in rows_of(src)]
+        return [(b.hash if x.hash == zero_chunk(x.size)[0] else (b.hash, x.hash), b.size)
+                for b, x in zip(map(Row._make, src["chunks"]), map(Row._make, src["xor"]["chunks"]))]
 
     ea = {e["path"]: e for e in a.entries}
     eb = {e["path"]: e for e in b.entries}

@@ -3,6 +3,7 @@ are read (chunks are read and verified by luopan.repository.chunkio)."""
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class PendingXor:
     def __init__(self, store: Store, m: Manifest, entry_index: int, sizes: PackSizes | None) -> None:
         self.store, self.sizes = store, sizes or PackSizes(store)
         self.refs = list(chunk_refs(m, entry_index, "xor"))
+        self.starts = [pos for pos, _ref in self.refs]  # sorted: the chunks lie end to end
 
     def decode(self) -> None:
         """Nothing to check ahead (the chunk sizes were checked with the manifest)."""
@@ -81,8 +83,11 @@ class PendingXor:
         """XOR the delta into bytes [pos, pos + len(out)) of the entry held in ``out``."""
         end = pos + len(out)
         dest = np.frombuffer(out, dtype=np.uint8)
-        for xpos, ref in self.refs:
-            if xpos >= end or xpos + ref.size <= pos:
+        first = max(0, bisect.bisect_right(self.starts, pos) - 1)
+        for xpos, ref in self.refs[first:]:
+            if xpos >= end:
+                break
+            if xpos + ref.size <= pos:
                 continue
             self.sizes.check(ref)
             buf = _xor_scratch(ref.size)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from collections.abc import Iterator
 from typing import Any
@@ -16,23 +15,23 @@ import xxhash
 from .. import typed
 from .._crash import crashpoint
 from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
-from ..errors import LuopanError
+from ..errors import IntegrityError, LuopanError
 from ..format.chunking import chunk_spans
-from ..format.config import RepoConfig
 from ..format.index import build_index
 from ..format.manifest import Row, encode_metrics, structure_fingerprint, uses_new_codecs
 from ..format.names import index_key
 from ..format.pack import BlobLocation, PackBuilder
-from ..store.base import Store
 from .environment import code_version, environment
 from ..repository.parallel import WORKERS, ordered_map
 from ..repository.blobcodec import encode_blob
 from ..repository.packwriter import PackChecker, PackWriter, exists_quietly
 from .commit import commit_manifest
 from .request import SaveRequest
+from .writectx import SaveResult, WriteContext
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
-from .deltaplan import BaseReadError, PlanContext, base_scratch, plan_entry, xor_into, zero_chunk
-from .rowdelta import MAX_BACKOFF, Decision, DeltaPolicy, RowTrack
+from .deltaplan import (BaseReadError, PlanContext, base_scratch, estimated_cycle, plan_entry, xor_into,
+                        zero_chunk)
+from .rowdelta import MAX_BACKOFF, Decision, RowTrack
 
 # A chunk to store: (target, bytes, previous row, precomputed XXH3, base chunk to XOR with).
 Item = tuple[int, memoryview, "list[Any] | None", "str | None", "tuple[str, int, str] | None"]
@@ -42,29 +41,6 @@ Item = tuple[int, memoryview, "list[Any] | None", "str | None", "tuple[str, int,
 INLINE_BYTES = 256 << 10
 # Larger chunks go to a worker up to this many bytes per handoff (fewer handoffs; memory ahead stays bounded).
 GROUP_BYTES = 16 << 20
-
-
-@dataclass
-class SaveResult:
-    manifest_key: str
-    doc: dict[str, Any]
-    new_locations: dict[str, BlobLocation]
-    index_key: str | None  # the index file this save wrote (its chunks are new_locations)
-    tracks: dict[str, RowTrack] = field(default_factory=dict)  # row-delta state of table entries after this save
-
-
-@dataclass
-class WriteContext:
-    """What a save knows besides its request: the repository, the chunks it holds, and this process's history of the
-    run (the previous save's rows for XXH3 change detection, row-delta tracks)."""
-
-    store: Store
-    config: RepoConfig
-    known: dict[str, BlobLocation]  # chunk hash -> location, from the index files
-    previous: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> entry of this run's previous save
-    tracks: dict[str, RowTrack] = field(default_factory=dict)  # path -> row-delta state (docs/format.md §5.2)
-    policy: DeltaPolicy = field(default_factory=DeltaPolicy)
-    intact_packs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pack id -> signature when found intact
 
 
 def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
@@ -79,19 +55,19 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
     this save wrote are deleted again (nothing can reference them yet). With ``req.snapshot`` (save_async) the leaves
     of ``unchanged`` were not copied and must not be read: if their previous chunks are gone, the save fails.
     """
-    for _attempt in range(8):
+    for _attempt in range(len(req.leaves) + 2):  # each retry stops using at least one more damaged base
         w = _CheckpointWriter(ctx, req)
         w.reuse_unchanged()
         try:
             w.store_chunks()
-        except BaseReadError as exc:  # a delta base is damaged: save again without it (nothing was committed)
+        except BaseReadError as exc:  # a base chunk read back for an XOR delta is damaged: nothing was committed
             warnings.warn(f"run {req.run!r} step {req.step}: {exc}; storing the entry in full instead "
                           "(`luopan verify` reports the damage)", stacklevel=3)
-            ctx.known.pop(exc.chunk_hash, None)
+            ctx.bad_bases.add(exc.chunk_hash)
             continue
         doc = w.manifest()
         return w.commit(doc)
-    raise LuopanError(f"run {req.run!r} step {req.step}: too many damaged delta bases; run `luopan verify`")
+    raise LuopanError(f"run {req.run!r} step {req.step}: delta bases kept failing to read; run `luopan verify`")
 
 
 class _CheckpointWriter:
@@ -135,8 +111,8 @@ class _CheckpointWriter:
         return len(self.rows) - 1
 
     def _usable(self, chunks: list[tuple[str, int, str]]) -> bool:
-        known = self.ctx.known
-        return all(h in known and self.checker.reusable(known[h]) for h, _size, _x in chunks)
+        known, bad = self.ctx.known, self.ctx.bad_bases
+        return all(h in known and h not in bad and self.checker.reusable(known[h]) for h, _size, _x in chunks)
 
     # -- stage 1 ----------------------------------------------------------------------------------------------
     def reuse_unchanged(self) -> None:
@@ -189,9 +165,18 @@ class _CheckpointWriter:
             self.entries[i]["chunking"] = mode
             xs: list[str] | None = None
             prev = ctx.previous.get(leaf.path, {}).get("chunks", [])
+            track = ctx.tracks.get(leaf.path)
+            if track is not None and not track.base_checked:
+                prev = []  # the previous save listed base rows read from disk: their XXH3s decide nothing (§5.5)
             if ctx.policy.tracked(leaf):
-                dec = self.decisions[i] = plan_entry(leaf, data, spans, req.step, ctx.tracks.get(leaf.path),
-                                                     req.hints.get(leaf.path), pc)
+                try:
+                    dec = plan_entry(leaf, data, spans, req.step, track, req.hints.get(leaf.path), pc)
+                except BaseReadError as exc:  # read back to compare: damaged. Plan again without that base
+                    warnings.warn(f"run {req.run!r} step {req.step} entry {leaf.path!r}: {exc}; storing the entry in "
+                                  "full instead (`luopan verify` reports the damage)", stacklevel=4)
+                    ctx.bad_bases.add(exc.chunk_hash)
+                    dec = plan_entry(leaf, data, spans, req.step, track, req.hints.get(leaf.path), pc)
+                self.decisions[i] = dec
                 base = dec.track.base_chunks
                 if dec.delta is not None:  # base chunks (already stored) + changed rows
                     assert base is not None and dec.delta[0].size > 0
@@ -225,13 +210,15 @@ class _CheckpointWriter:
     def _read_base(self, chunk: tuple[str, int, str], k: int) -> memoryview:
         """The verified bytes of a base chunk, in this thread's scratch buffer (BaseReadError when unreadable)."""
         h, size, _x = chunk
+        loc = self.ctx.known.get(h)
+        if loc is None or loc.size != size:  # gone, or a row whose size is not the chunk's (a crafted manifest)
+            raise BaseReadError(h, LuopanError("not in the repository's index with that size"))
+        ref = ChunkRef(f"run {self.req.run!r} (a delta base)", "", k, h, loc.pack, loc.offset, loc.length,
+                       loc.size, loc.codec)
+        buf = base_scratch(size)
         try:
-            loc = self.ctx.known[h]
-            ref = ChunkRef(f"run {self.req.run!r} (a delta base)", "", k, h, loc.pack, loc.offset, loc.length,
-                           loc.size, loc.codec)
-            buf = base_scratch(size)
             read_chunk(self.ctx.store, ref, buf, self.sizes)
-        except (KeyError, LuopanError, OSError) as exc:
+        except IntegrityError as exc:  # damaged or missing; an unreadable store (StorageError) fails the save
             raise BaseReadError(h, exc) from exc
         return buf
 
@@ -361,10 +348,11 @@ class _CheckpointWriter:
         """Entry ``i``'s track once this save commits."""
         track = self.decisions[i].track
         if i in self.xors:
-            cost = self.stored_by_target.get(self.xors[i][1], 0)
+            cost = self.stored_by_target.get(self.xors[i][1], 0)  # written now (chunks already stored are free)
+            size = self._stored_length(self.xors[i][1])  # what the delta takes: the next one's estimate
             track = dataclasses.replace(track, cycle_bytes=track.cycle_bytes + cost,
-                                        cycle_saves=track.cycle_saves + 1, xor_bytes=cost)
-            if cost > self.ctx.policy.xor_fraction * self.req.leaves[i].nbytes:  # did not pay: pause XOR deltas
+                                        cycle_saves=track.cycle_saves + 1, xor_bytes=size)
+            if size > self.ctx.policy.xor_fraction * self.req.leaves[i].nbytes:  # did not pay: pause XOR deltas
                 backoff = min(MAX_BACKOFF, max(1, 2 * track.xor_backoff))
                 track = dataclasses.replace(track, xor_skip=backoff, xor_backoff=backoff)
         elif i not in self.deltas:  # stored in full: this version is the base for later deltas
@@ -375,8 +363,7 @@ class _CheckpointWriter:
     def _cycle(self, i: int) -> list[int]:
         """[bytes written since and including the base, saves] after this save: a writer's hint (§5.4)."""
         if i not in self.decisions:  # reused as it was (trust_versions): its hint stands
-            prev = self.ctx.previous[self.req.leaves[i].path]
-            return list((prev.get("delta") or prev.get("xor") or {}).get("cycle", [0, 1]))
+            return estimated_cycle(self.ctx.previous[self.req.leaves[i].path])
         t = self._track_after(i)
         return [t.cycle_bytes, t.cycle_saves]
 

@@ -38,7 +38,8 @@ from .request import SaveRequest, check_json, entries_by_path, same_version, ten
 from .rowdelta import DeltaPolicy, RowTrack
 from .runrecord import Run
 from .deltaplan import disk_tracks
-from .save import WriteContext, write_checkpoint
+from .save import write_checkpoint
+from .writectx import WriteContext
 from .staging import Staging
 
 
@@ -49,6 +50,7 @@ class Saving(RepositoryCore):
         self.delta_policy = delta_policy or DeltaPolicy()
         self._previous: dict[str, dict[str, dict[str, Any]]] = {}  # run -> path -> entry of its last save
         self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
+        self._bad_bases: set[str] = set()  # chunks found damaged when read back as a delta base (§5.5)
         self._recorded: set[str] = set()  # runs whose record this process has written or found
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         # key path -> (hash, size, xxh3) per chunk this process last stored there in parts (store_entries)
@@ -288,7 +290,8 @@ class Saving(RepositoryCore):
                 warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
             self._recorded.add(plan.run)
         context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
-                               self._delta_tracks(plan.run), self.delta_policy, self._intact_packs)
+                               self._delta_tracks(plan.run), self.delta_policy, self._intact_packs,
+                               self._bad_bases)
         with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
             result = write_checkpoint(context, plan)
         self.learned(result.new_locations, result.index_key)

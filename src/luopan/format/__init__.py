@@ -11,9 +11,9 @@ from ..errors import UnsupportedFormatError
 # artifact manifests are version 3, and a repository holding any has a version-3 config (older luopan refuse it).
 FORMAT_VERSION = 5
 BASE_FORMAT_VERSION = 1
-# Storage engine v2 (docs/format.md §5.4-§5.6, §6.1, §8): persisted row digests, XOR deltas, the float codec and
-# grouped manifests. A manifest (and a repository config) using any of them says 5; one that does not keeps its
-# older version, so repositories of version 4 and older stay readable by older luopan where nothing new was used.
+# Storage engine v2 (docs/format.md §4, §5.2, §5.4, §6.1): row deltas with the writer's cycle hint, XOR deltas, the
+# float codec, compressed manifests and index files. A manifest using any of them says 5, as does a config whose
+# compression is "auto"; others keep their older version, so repositories that use none stay readable by older luopan.
 ENGINE2_FORMAT_VERSION = 5
 
 

@@ -54,28 +54,28 @@ def compress_json(data: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=9).compress(data)
 
 
-def inflate_json(data: bytes) -> bytes:
-    """The JSON text of a file that may be a zstd frame of it (§4); other bytes are returned as they are. SealError
-    on a damaged frame or one that would inflate past MAX_INFLATED (checked before anything that large exists)."""
+def inflate_json(data: bytes, limit: int = MAX_INFLATED) -> bytes:
+    """The JSON text of a checkpoint manifest or index file, which may be a zstd frame of it (§4); other bytes are
+    returned as they are. SealError on a damaged frame, one without its size in the header (writers always put it
+    there), or one that would inflate past ``limit`` (the file kind's own limit, §11: checked before anything that
+    large exists)."""
     if not data.startswith(ZSTD_MAGIC):
         return data
     try:
         size = zstandard.frame_content_size(data)
-        if size > MAX_INFLATED:
-            raise SealError(f"compressed JSON says it inflates to {size} bytes, more than {MAX_INFLATED}")
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_INFLATED, allow_extra_data=False)
+        if not 0 <= size <= limit:
+            raise SealError(f"compressed JSON does not say its size, or says more than {limit} bytes ({size})")
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise SealError(f"not a valid zstd frame of JSON ({str(exc)[:200]})") from None
-    if size >= 0 and len(out) != size:
+    if len(out) != size:
         raise SealError(f"compressed JSON inflated to {len(out)} bytes, not the {size} its frame says")
     return out
 
 
 def parse_object(data: bytes) -> dict[str, Any]:
-    """Parse a JSON object (or a zstd frame of one, §4); SealError when the bytes are not one. A key given twice in
-    one object is refused: parsers disagree on which value wins, so such a file could mean different things to
-    different readers."""
-    data = inflate_json(data)
+    """Parse a JSON object; SealError when the bytes are not one. A key given twice in one object is refused:
+    parsers disagree on which value wins, so such a file could mean different things to different readers."""
     try:
         obj = json.loads(data, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -6,8 +6,8 @@ from typing import Any
 
 from ..errors import CorruptRepoError
 from . import BASE_FORMAT_VERSION
-from .canonical import SealError, canonical, compress_json, digest, seal, unseal
-from .limits import MAX_OFFSET
+from .canonical import SealError, canonical, compress_json, digest, inflate_json, seal, unseal
+from .limits import MAX_INDEX_BYTES, MAX_OFFSET
 from .names import is_hex64
 from .pack import CODECS, BlobLocation
 
@@ -27,7 +27,7 @@ def parse_index(data: bytes, where: str) -> dict[str, BlobLocation]:
     """Chunk hash -> location from an index file, every row checked (pack ids and hashes are hex digests, offsets
     and sizes bounded integers, codecs known). CorruptRepoError on any damage."""
     try:
-        doc = unseal(data)
+        doc = unseal(inflate_json(data, MAX_INDEX_BYTES))
         packs = doc["packs"]
         if not isinstance(packs, dict):
             raise TypeError("packs is not an object")

@@ -16,8 +16,8 @@ from ..errors import CorruptManifestError
 from .. import typed
 from ..tree import itemsize
 from . import ENGINE2_FORMAT_VERSION, refuse_newer
-from .canonical import SealError, canonical, compress_json, digest, parse_object, seal, verify_seal
-from .limits import MAX_NBYTES, MAX_NDIM, shape_fits
+from .canonical import SealError, canonical, compress_json, digest, inflate_json, parse_object, seal, verify_seal
+from .limits import MAX_MANIFEST_BYTES, MAX_NBYTES, MAX_NDIM, shape_fits
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 NODE_TAGS = ("dict", "list", "tuple", "entry", "int", "float", "str", "bool", "none", "typed")
@@ -112,7 +112,7 @@ def seal_manifest(doc: dict[str, Any], compress: bool = False) -> bytes:
 def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | None = None) -> Manifest:
     """Parse and fully validate manifest bytes read from ``where``; typed errors name the file."""
     try:
-        obj = parse_object(data)
+        obj = parse_object(inflate_json(data, MAX_MANIFEST_BYTES))
         refuse_newer(obj, where)
         doc = verify_seal(obj)
     except SealError as exc:
@@ -214,8 +214,8 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
                 raise bad(f"entry {path!r} aliases an invalid entry {j}")
             if any(entries[j][k] != e[k] for k in ("kind", "dtype", "shape", "nbytes")):
                 raise bad(f"entry {path!r} aliases entry {entries[j]['path']!r} of a different type or shape")
-            if "delta" in e:
-                raise bad(f"entry {path!r} is an alias and cannot have a row delta")
+            if {"delta", "xor", "chunks"} & e.keys():
+                raise bad(f"entry {path!r} is an alias and cannot have chunks or a delta")
             continue
         total = chunk_bytes(e["chunks"], npacks, path, bad)
         if total != e["nbytes"]:

@@ -1,0 +1,35 @@
+"""What a checkpoint save works with and returns (the save pipeline itself is luopan.checkpoint.save)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..format.config import RepoConfig
+from ..format.pack import BlobLocation
+from ..store.base import Store
+from .rowdelta import DeltaPolicy, RowTrack
+
+
+@dataclass
+class SaveResult:
+    manifest_key: str
+    doc: dict[str, Any]
+    new_locations: dict[str, BlobLocation]
+    index_key: str | None  # the index file this save wrote (its chunks are new_locations)
+    tracks: dict[str, RowTrack] = field(default_factory=dict)  # row-delta state of table entries after this save
+
+
+@dataclass
+class WriteContext:
+    """What a save knows besides its request: the repository, the chunks it holds, and this process's history of the
+    run (the previous save's rows for XXH3 change detection, row-delta tracks)."""
+
+    store: Store
+    config: RepoConfig
+    known: dict[str, BlobLocation]  # chunk hash -> location, from the index files
+    previous: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> entry of this run's previous save
+    tracks: dict[str, RowTrack] = field(default_factory=dict)  # path -> row-delta state (docs/format.md §5.2)
+    policy: DeltaPolicy = field(default_factory=DeltaPolicy)
+    intact_packs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pack id -> signature when found intact
+    bad_bases: set[str] = field(default_factory=set)  # chunks that failed verification when read back as a base
