@@ -314,3 +314,39 @@ def test_diff_counts_the_content_of_xor_entries(tmp_path):
     assert repo.diff("run", 0, 1)["changed_bytes"] == 4 << 20
     assert repo.diff("run", 1, 2)["changed_bytes"] == 4 << 20
     assert repo.diff("run", 0, 2)["changed_bytes"] == 0
+
+
+def test_read_check_xxh3_is_an_opt_in_that_still_catches_damage(tmp_path, monkeypatch):
+    from luopan.repository import chunkio
+
+    path = tmp_path / "r"
+    emb = table()
+    luopan.open(path, compression="none").save("run", 0, {"emb": emb})
+    with pytest.raises(luopan.UsageError, match="read_check"):
+        luopan.open(path, read_check="md5")
+    calls = []
+    real = chunkio.blake3.blake3
+
+    def counting(data=b"", **kw):
+        if len(data) >= 1 << 20:  # a chunk (pack trailers are hashed too, and stay so)
+            calls.append(len(data))
+        return real(data, **kw)
+
+    monkeypatch.setattr(chunkio, "blake3", type("B", (), {"blake3": staticmethod(counting)}))
+    fast = luopan.open(path, read_check="xxh3")
+    assert np.array_equal(fast.load("run", 0)["emb"], emb) and calls == []  # checked by XXH3 only
+    target = {"emb": np.zeros_like(emb)}
+    fast.load_into("run", target, 0)
+    assert np.array_equal(target["emb"], emb) and calls == []
+    m = fast.manifest("run", 0)
+    pack = m.packs[m.entry("emb")["chunks"][1][1]]
+    with open(os.path.join(path, "packs", pack[:2], pack + ".pack"), "r+b") as f:
+        f.seek(m.entry("emb")["chunks"][1][2] + 7)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 4]))
+    with pytest.raises(luopan.IntegrityError, match="XXH3 mismatch"):
+        fast.load("run", 0)
+    monkeypatch.undo()
+    with pytest.raises(luopan.IntegrityError, match="hash mismatch"):  # verify stays BLAKE3
+        luopan.open(path, read_check="xxh3").verify()

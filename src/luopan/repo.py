@@ -12,6 +12,7 @@ from .checkpoint.api import Checkpoints
 from .checkpoint.collective import Collective
 from .checkpoint.kind import CHECKPOINTS
 from .checkpoint.rowdelta import DeltaPolicy
+from .errors import UsageError
 from .format.config import Compression, RepoConfig
 from .index.kind import INDEX_KIND
 from .journal.api import Journal
@@ -53,6 +54,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     replicate: bool = True,
     lock_timeout: float | None = DEFAULT_TIMEOUT,
     space_margin: float = DEFAULT_SPACE_MARGIN,
+    read_check: str = "blake3",
 ) -> Repo:
     """Open the repository at a path/URL, creating it (with the given options) when missing and ``create``.
 
@@ -65,18 +67,24 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     them; ``cold=luopan.ColdPolicy(url, older_than="7d")`` names where ``repo.apply_cold_policy()`` moves old ones.
     ``lock_timeout`` (seconds, default 600; None waits forever) is how long a write waits for a prune/gc holding the
     exclusive lock, and prune/gc for writes (docs/format.md §9.2). ``space_margin`` (default 1.5; 0 turns it off):
-    a write first checks that the disk has this many times its estimated new bytes free (§10.4).
+    a write first checks that the disk has this many times its estimated new bytes free (§10.4). ``read_check``:
+    loads check every chunk against its BLAKE3 address ("blake3", the default); "xxh3" (opt-in, for a repository
+    that never leaves this machine) checks it against the XXH3-128 its manifest row lists instead: damage is caught
+    as surely, for ~10x less CPU, but a crafted repository is not (docs/format.md §5.1). `verify` always uses BLAKE3.
     ``storage_options`` go to the object-store filesystem of the repository's URL and of those URLs (e.g.
     ``{"endpoint_url": …, "key": …, "secret": …}`` for S3). ``replicate=False`` opens a tiered
     repository without starting replication (reads still fall back to the remote; used by the CLI).
     """
     check_open_options(lock_timeout, space_margin)
+    if read_check not in ("blake3", "xxh3"):
+        raise UsageError(f"read_check must be 'blake3' (the default) or 'xxh3', got {read_check!r}")
     store, config, tiering = connect(location, create=create, chunk_size=chunk_size, pack_size=pack_size,
                                      compression=compression, replicate_to=replicate_to,
                                      local_retention=local_retention, cold=cold, storage_options=storage_options)
     repo = Repo(store, config, delta_policy)
     repo.lock_timeout = lock_timeout
     repo.space_margin = space_margin
+    repo.read_check = read_check
     if tiering is not None:
         attach(repo, tiering, start=replicate)
     return repo

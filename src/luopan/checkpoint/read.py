@@ -29,7 +29,8 @@ def chunk_refs(m: Manifest, entry_index: int, part: str | None = None) -> Iterat
         chunks, path = e["delta"][part], f"{e['path']} (row delta {part})"
     pos = 0
     for n, r in enumerate(map(Row._make, chunks)):
-        yield pos, ChunkRef(f"run {m.run!r} step {m.step}", path, n, r.hash, m.packs[r.pack], r.offset, r.length, r.size, r.codec)
+        yield pos, ChunkRef(f"run {m.run!r} step {m.step}", path, n, r.hash, m.packs[r.pack], r.offset, r.length,
+                            r.size, r.codec, r.xxh3 if m.xxh3_reads else "")
         pos += r.size
 
 

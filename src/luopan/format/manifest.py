@@ -60,9 +60,11 @@ def structure_fingerprint(entries: list[dict[str, Any]]) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A parsed, validated manifest. ``doc`` is the JSON object (without its checksum member)."""
+    """A parsed, validated manifest. ``doc`` is the JSON object (without its checksum member). ``xxh3_reads``: its
+    chunks are checked against their rows' XXH3-128 when read for a load (the opt-in ``read_check="xxh3"``)."""
 
     doc: dict[str, Any]
+    xxh3_reads: bool = False
 
     @property
     def run(self) -> str:

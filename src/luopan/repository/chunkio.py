@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
+import xxhash
 
 from ..errors import (
     CorruptPackError,
@@ -40,6 +41,7 @@ class ChunkRef:
     length: int
     size: int
     codec: str
+    xxh3: str = ""  # set: check the bytes against this XXH3-128 instead of the BLAKE3 address (read_check="xxh3")
 
     def where(self) -> str:
         return (f"{self.owner} entry {self.path!r} chunk {self.index} "
@@ -107,6 +109,10 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | 
             out[:] = decode_blob(ref.codec, data, ref.size, ref.where())
     except KeyNotFound:
         raise MissingPackError(f"missing pack: {ref.where()}: {key} is not in the repository") from None
+    if ref.xxh3:
+        if xxhash.xxh3_128_hexdigest(out) != ref.xxh3:
+            raise IntegrityError(f"XXH3 mismatch: {ref.where()}: the stored bytes are damaged")
+        return
     actual = blake3.blake3(out).hexdigest()
     if actual != ref.hash:
         raise IntegrityError(f"hash mismatch: {ref.where()} reads as {actual[:16]}…; the stored bytes are damaged")
