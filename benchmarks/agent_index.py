@@ -22,11 +22,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median, remove, settle, timed
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(path) for f in fs)
+from common import dir_bytes, median, remove, settle, timed
 
 
 def _result(rid: str, value: float, goal: float, unit: str, notes: str, **raw: Any) -> dict[str, Any]:

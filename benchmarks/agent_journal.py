@@ -31,7 +31,8 @@ try:
     import luopan  # noqa: F401
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.join(ROOT, "src"))
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import dir_bytes  # noqa: E402
 
 MSG_BYTES = 2048
 WORDS = ["agent", "tool", "call", "search", "result", "the", "of", "and", "a", "to", "in", "is", "plan", "observe", "answer", "model", "token", "context", "memory", "retrieve", "document", "step", "reason", "final", "user", "assistant", "system", "function", "json", "value", "error", "retry"]
@@ -86,12 +87,6 @@ def workload(threads: int, steps: int, seed: int = 0) -> Iterator[tuple[int, int
             yield t, step, conf, ck, {"source": "loop", "step": step, "parents": {}, "run_id": f"run-{t}"}, new
 
 
-def _dir_bytes(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(path) for f in fs)
-
-
 def _sqlite_files(db: str) -> int:
     return sum(os.path.getsize(db + s) for s in ("", "-wal", "-shm", "-journal") if os.path.exists(db + s))
 
@@ -125,12 +120,12 @@ def run_j1(threads: int, steps: int, work: str, say: Callable[[str], Any]) -> di
         if time.perf_counter() - last > 30:
             last = time.perf_counter()
             say(f"J1: step {step}/{steps}, sqlite {_sqlite_files(db) / 2**20:.0f} MiB, "
-                f"luopan {_dir_bytes(lp.journal.directory) / 2**20:.1f} MiB")
+                f"luopan {dir_bytes(lp.journal.directory) / 2**20:.1f} MiB")
     final = lp.get_tuple({"configurable": {"thread_id": "thread-0"}}).checkpoint["channel_values"]["messages"]
     same = final == sq.get_tuple({"configurable": {"thread_id": "thread-0"}}).checkpoint["channel_values"]["messages"]
     lp.close()
     conn.close()
-    sq_bytes, lp_bytes = _sqlite_files(db), _dir_bytes(os.path.join(work, "j1-luopan"))
+    sq_bytes, lp_bytes = _sqlite_files(db), dir_bytes(os.path.join(work, "j1-luopan"))
     value = sq_bytes / lp_bytes
     payload = threads * steps * MSG_BYTES
     say(f"J1: sqlite {sq_bytes} bytes, luopan {lp_bytes} bytes: {value:.1f}x")

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from common import fmt as _fmt
-from common import print_footer, print_tables
+from common import dir_bytes, print_footer, print_tables  # noqa: F401  (dist imports it from here)
 from common import ratio_result as _ratio_result
 from common import (
     MIB,
@@ -217,19 +217,6 @@ def copy_tree(src: str, dst: str) -> None:
     """The peer: `cp -r SRC DST && sync`."""
     subprocess.run(["cp", "-r", src, dst], check=True)
     subprocess.run(["sync"], check=True)
-
-
-def dir_bytes(path: str) -> int:
-    """Sum of the sizes of the regular files under path (0 if it does not exist)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size
-    return total
 
 
 def same_tree(a: str, b: str) -> str | None:

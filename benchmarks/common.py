@@ -323,3 +323,18 @@ def print_footer(report: dict[str, Any], legend: str) -> None:
     print("goals missed: " + (", ".join(missed) if missed else "none"))
     if report.get("problems"):
         print("DATA PROBLEMS: " + "; ".join(report["problems"]))
+
+
+def dir_bytes(path: str) -> int:
+    """Sum of the sizes of the regular files under ``path`` (its size if it is a file; 0 if it does not exist). A
+    file that goes away meanwhile (a temporary) counts 0."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total

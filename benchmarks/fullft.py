@@ -97,7 +97,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common import loadavg, median, settle, spread, timed
+from common import dir_bytes, loadavg, median, settle, spread, timed
 
 ID = "P13.fullft_logical_over_stored"
 RUN = "ft"
@@ -305,17 +305,6 @@ def _same(expected: dict[str, Any], got: Any, label: str) -> None:
                            f"({len(bad)} tensors)")
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:  # a temporary that went away
-                pass
-    return total
-
-
 # -- luopan feature detection ----------------------------------------------------------------------------------
 def _features(scratch: str) -> dict[str, Any]:
     import luopan
@@ -430,18 +419,18 @@ def _measure(precision: str, plan: dict[str, int], names: list[str], base: str, 
         rot = (s - 1) % len(repos)
         parts = []
         for m in repos[rot:] + repos[:rot]:
-            before = _dir_bytes(m.path)
+            before = dir_bytes(m.path)
             settle()
             dt, info = timed(lambda: m.repo.save(RUN, s, state))
             m.save_s.append(dt)
             m.stored.append(info.stored_bytes)
             m.logical.append(info.logical_bytes)
-            m.growth.append(_dir_bytes(m.path) - before)
+            m.growth.append(dir_bytes(m.path) - before)
             if info.logical_bytes != logical[-1]:
                 raise RuntimeError(f"P13 [{m.name}]: info.logical_bytes {info.logical_bytes} != the state's "
                                    f"{logical[-1]} bytes")
             parts.append(f"{m.name} {info.stored_bytes / (1 << 20):.1f} MiB {dt:.2f}s")
-        disk_peak = max(disk_peak, _dir_bytes(base))
+        disk_peak = max(disk_peak, dir_bytes(base))
         for m in repos:
             if m.prune and s > 1:
                 m.repo.delete(RUN, s - 1)

@@ -69,7 +69,7 @@ from typing import Any
 
 import numpy as np
 
-from common import settle, spread, timed
+from common import dir_bytes, settle, spread, timed
 
 TABLE = "emb.weight"
 DENSE = "dense.weight"
@@ -143,17 +143,6 @@ def _open(path: str, policy: dict[str, Any] | None) -> Any:
     return luopan.open(path)
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:  # a temporary that went away
-                pass
-    return total
-
-
 def _same_bytes(a: np.ndarray, b: Any) -> bool:
     b = np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
@@ -192,7 +181,7 @@ def _drive(modes: list[_Mode], gen: ZipfTable, intervals: int, log: Callable[...
         settle()
         m.full_s, info = timed(lambda: m.repo.save(RUN, 0, gen.state))
         m.full_stored = info.stored_bytes
-        m.full_disk = _dir_bytes(m.path)
+        m.full_disk = dir_bytes(m.path)
     log(f"  {tag} step 0 (full): " + ", ".join(
         f"{m.name} {m.full_stored / (1 << 20):.1f} MiB in {m.full_s:.2f}s" for m in modes))
     mid = max(1, intervals // 2)
@@ -209,13 +198,13 @@ def _drive(modes: list[_Mode], gen: ZipfTable, intervals: int, log: Callable[...
         parts = []
         for m in modes[rot:] + modes[:rot]:
             kwargs = {"touched_rows": {TABLE: idx}} if (m.hint and hint_ok) else {}
-            before = _dir_bytes(m.path)
+            before = dir_bytes(m.path)
             settle()
             dt, info = timed(lambda: m.repo.save(RUN, step, gen.state, **kwargs))
             m.save_s.append(dt)
             m.stored.append(info.stored_bytes)
             m.new.append(info.new_bytes)
-            m.disk.append(_dir_bytes(m.path) - before)
+            m.disk.append(dir_bytes(m.path) - before)
             parts.append(f"{m.name} {info.stored_bytes / (1 << 20):.2f} MiB {dt:.3f}s")
         log(f"  {tag} interval {step}/{intervals} ({idx.size} rows, union {union[-1]}): " + ", ".join(parts))
     assert mid_state is not None
