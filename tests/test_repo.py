@@ -319,3 +319,15 @@ def test_save_async_of_non_contiguous_tensors(repo):
     h.wait()
     out = repo.load("r", 1)
     assert torch.equal(out["t"], expected["t"]) and torch.equal(out["c"], expected["c"])
+
+
+def test_creating_where_another_process_just_created_the_repository_opens_it(tmp_path):
+    """Ranks opening one new path at once: a rank that found no config, then sees the directory filled by another
+    rank's creation, opens that repository instead of refusing a 'non-empty directory'."""
+    from luopan.repository.opening import create_config
+    from luopan.store import open_store
+
+    first = luopan.open(tmp_path / "r")
+    first.save("r", 1, {"x": np.ones(3)})
+    config = create_config(open_store(str(tmp_path / "r")), None, None, None)
+    assert config.repo_id == first.config.repo_id

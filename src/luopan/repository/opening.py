@@ -114,6 +114,8 @@ def create_config(store: Store, chunk_size: int | None, pack_size: int | None,
     store.cleanup_temporaries()  # e.g. the config's own temp file from a creation that crashed
     root = getattr(store, "root", None)
     if root is not None and os.path.isdir(root) and any(TMP_MARK not in e.name for e in os.scandir(root)):
+        if store.exists(CONFIG_KEY):  # another process (a rank opening the same new path) created it meanwhile
+            return RepoConfig.from_bytes(store.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES), store.describe())
         raise NotARepositoryError(
             f"{root} exists, is not empty and is not a luopan repository: refusing to create one there; "
             "choose an empty or new directory"
