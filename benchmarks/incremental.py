@@ -130,7 +130,7 @@ def run_incremental(size_mib: int, reps: int, workdir_parent: str | None, log: A
                 "notes": "NumPy arrays (no version counters), so every byte is looked at: XXH3-128 per chunk "
                          "against the run's previous manifest (docs/format.md §5.1); BLAKE3 only for chunks "
                          "that changed (none here). Each repetition uses a fresh repository.",
-            }, p6, *p2, *p3, *p3_first, p4, *p13, *p14, *p15],
+            }, p6, *p2, *p3, *p3_first, *p4, *p13, *p14, *p15],
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -314,7 +314,13 @@ def run_p2(size_mib: int, reps: int, work: str, log: Any) -> list[dict[str, Any]
     ]
 
 
-def run_p4(size_mib: int, saves: int, reps: int, work: str, log: Any) -> dict[str, Any]:
+def run_p4(size_mib: int, saves: int, reps: int, work: str, log: Any) -> list[dict[str, Any]]:
+    """P4: the restore of save #100 of a table that changes ~5% of its rows per save, against (a) the load of save #1
+    of the same run and (b) the issue-15 peer, a standalone full load: the same state #100 saved alone into a fresh
+    repository of the same configuration. (a) also measures codec speed: the table's values drift (+1.0 per change),
+    so later versions of some chunks pass the ``auto`` compression rule where the first did not, and decoding them is
+    slower than copying raw bytes; (b) compares like with like (same bytes, same codecs), leaving only the cost of
+    base + one patch."""
     import luopan
 
     rng = np.random.default_rng(0)
@@ -325,17 +331,45 @@ def run_p4(size_mib: int, saves: int, reps: int, work: str, log: Any) -> dict[st
         idx = rng.choice(rows, size=max(1, rows // 20), replace=False)  # ~5% of the rows change per save
         table[idx] += 1.0
         repo.save("long", s, {"table": table})
-    t1, t100 = [], []
+    alone = luopan.open(os.path.join(work, "p4-standalone"))
+    alone.save("long", saves, {"table": table})
+    forms = _entry_forms(repo.manifest("long", saves).entry("table"))
+    t1, t100, ta = [], [], []
     for r in range(reps + 1):
         a, _ = timed(lambda: repo.load("long", 1))
         b, _ = timed(lambda: repo.load("long", saves))
+        c, _ = timed(lambda: alone.load("long", saves))
         if r:
             t1.append(a)
             t100.append(b)
+            ta.append(c)
     ratio = median(t100) / median(t1)
-    log(f"  P4: load #{saves} {median(t100):.3f}s, load #1 {median(t1):.3f}s")
-    return {"id": "P4.restore_100_over_1", "ratio": round(ratio, 4), "value": round(ratio, 4), "goal": 1.1,
-            "goal_op": "<=", "met": ratio <= 1.1, "load_first_s": median(t1), "load_last_s": median(t100),
-            "saves": saves, "state_bytes": int(table.nbytes),
-            "notes": "each save changes ~5% of the rows (scattered); manifests are self-contained, so the last "
-                     "save loads without reading any other checkpoint. Warm page cache."}
+    ratio_alone = median(t100) / median(ta)
+    log(f"  P4: load #{saves} {median(t100):.3f}s, load #1 {median(t1):.3f}s, standalone load of state #{saves} "
+        f"{median(ta):.3f}s; #{saves} is {forms}")
+    common = {"load_first_s": median(t1), "load_last_s": median(t100), "load_standalone_s": median(ta),
+              "saves": saves, "state_bytes": int(table.nbytes), "last_entry": forms}
+    return [
+        {"id": "P4.restore_100_over_1", "ratio": round(ratio, 4), "value": round(ratio, 4), "goal": 1.1,
+         "goal_op": "<=", "met": ratio <= 1.1, **common,
+         "notes": "each save changes ~5% of the rows (scattered); manifests are self-contained, so the last "
+                  "save loads without reading any other checkpoint. Warm page cache. Save #1's chunks are stored "
+                  "raw; some of #100's pass the compression rule (values drifted), so this ratio includes "
+                  "decoding them: see P4.restore_100_over_standalone for the same bytes stored alone."},
+        {"id": "P4.restore_100_over_standalone", "ratio": round(ratio_alone, 4), "value": round(ratio_alone, 4),
+         "goal": 1.1, "goal_op": "<=", "met": ratio_alone <= 1.1, **common,
+         "notes": "load of save #100 (base + at most one patch) / load of the same state saved alone in a fresh "
+                  "repository of the same configuration (issue 15: within 1.1x of a standalone full load)."},
+    ]
+
+
+def _entry_forms(entry: Any) -> dict[str, Any]:
+    """How an entry is stored: its codecs, and whether it is a row or XOR delta (and of how many rows)."""
+    codecs: dict[str, int] = {}
+    for row in entry.get("chunks", []):
+        codecs[row[5]] = codecs.get(row[5], 0) + 1
+    form = "row delta" if "delta" in entry else "xor delta" if "xor" in entry else "full"
+    out: dict[str, Any] = {"form": form, "base_codecs": codecs}
+    if "delta" in entry:
+        out["delta_rows"] = entry["delta"]["rows"]
+    return out

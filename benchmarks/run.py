@@ -296,7 +296,8 @@ def _incremental_detail(r: dict[str, Any]) -> str:
         "P2": lambda: (f"peer {r['peer_s']:.3f}s, luopan {r['luopan_s']:.3f}s (trust_versions), "
                        f"default mode ratio {r['ratio_default_mode']}") if "peer_s" in r else
                       f"wrote {r['luopan_stored_bytes']} bytes for {r['changed_tensor_bytes']} changed",
-        "P4": lambda: f"load #{r['saves']} {r['load_last_s']:.3f}s vs load #1 {r['load_first_s']:.3f}s",
+        "P4": lambda: (f"load #{r['saves']} {r['load_last_s']:.3f}s vs load #1 {r['load_first_s']:.3f}s, "
+                       f"standalone {r['load_standalone_s']:.3f}s"),
         "P3": lambda: (f"{r['table_bytes'] >> 20} MiB table, {r['intervals']} intervals: auto {r['ratio']}, "
                        f"touched_rows hint {r['ratio_hint_mode']}, row deltas off {r['ratio_deltas_off']}, "
                        f"ideal {r['ideal_ratio']}; table rewrites {r['table_rewrites']}"),

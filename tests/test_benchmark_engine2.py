@@ -100,3 +100,17 @@ def test_foundation_suite_reports_the_new_p5_ids(tmp_path, child_env):
     for rid in ("P5.vs_safetensors_into_model", "P5.vs_dcp_load"):
         assert isinstance(results[rid]["met"], bool) and results[rid]["ratio"] > 0
     assert os.listdir(tmp_path) == ["foundation.json"]
+
+
+def test_p4_reports_the_standalone_peer(tmp_path, child_env):
+    r = _run_py(f"import incremental\n"
+                f"r = incremental.run_p4(1, 6, 1, {str(tmp_path)!r}, lambda *a: None)\n"
+                "print(json.dumps(r))", child_env)
+    assert [x["id"] for x in r] == ["P4.restore_100_over_1", "P4.restore_100_over_standalone"]
+    one, alone = r
+    for x in r:
+        assert x["goal"] == 1.1 and x["goal_op"] == "<=" and isinstance(x["met"], bool)
+        assert x["saves"] == 6 and x["state_bytes"] == 1 << 20
+        assert x["last_entry"]["form"] in ("full", "row delta", "xor delta")
+    assert one["ratio"] == round(one["load_last_s"] / one["load_first_s"], 4)
+    assert alone["ratio"] == round(alone["load_last_s"] / alone["load_standalone_s"], 4)
