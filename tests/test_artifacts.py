@@ -430,7 +430,7 @@ def readme_blocks(lang):
     from .conftest import ROOT
 
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    return [b for b in re.findall(rf"```{lang}\n(.*?)```", text, re.S) if "artifact" in b]
+    return [b for b in re.findall(rf"```{lang}\n(.*?)```", text, re.S) if "artifact commit" in b or "repo.artifact(" in b]
 
 
 def test_readme_artifact_examples_run_as_written(tmp_path, child_env):

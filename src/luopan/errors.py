@@ -67,6 +67,11 @@ class UnsupportedFileError(LuopanError, ValueError):
     path escaping the directory); the message names it. Nothing was committed."""
 
 
+class PinnedError(LuopanError, RuntimeError):
+    """Removing a pinned checkpoint (``luopan rm`` without ``--force``): nothing was removed. The message names the
+    pinned steps and how to unpin them. The CLI exits 1."""
+
+
 class CheckpointExistsError(LuopanError, FileExistsError):
     """Saving a step that already has a committed checkpoint without `overwrite=True`."""
 

@@ -55,6 +55,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     lock_timeout: float | None = DEFAULT_TIMEOUT,
     space_margin: float = DEFAULT_SPACE_MARGIN,
     read_check: str = "blake3",
+    progress: bool = True,
 ) -> Repo:
     """Open the repository at a path/URL, creating it (with the given options) when missing and ``create``.
 
@@ -74,6 +75,8 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     ``storage_options`` go to the object-store filesystem of the repository's URL and of those URLs (e.g.
     ``{"endpoint_url": …, "key": …, "secret": …}`` for S3). ``replicate=False`` opens a tiered
     repository without starting replication (reads still fall back to the remote; used by the CLI).
+    ``progress=False``: saves never report on stderr (by default one that runs longer than two seconds shows a bar on
+    a terminal and one line once committed; luopan.checkpoint.progress). The ``luopan`` logger's records stay.
     """
     check_open_options(lock_timeout, space_margin)
     if read_check not in ("blake3", "xxh3"):
@@ -85,6 +88,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     repo.lock_timeout = lock_timeout
     repo.space_margin = space_margin
     repo.read_check = read_check
+    repo.progress = bool(progress)
     if tiering is not None:
         attach(repo, tiering, start=replicate)
     return repo

@@ -26,6 +26,8 @@ class CheckpointInfo:
     new_chunks: int
     fingerprint: str
     manifest: str = field(repr=False)
+    save_seconds: float | None = None  # wall seconds from the save call to its commit (None: not recorded)
+    stall_seconds: float | None = None  # seconds the caller was blocked (save_async: the host copy)
 
     @property
     def dedup_ratio(self) -> float:
@@ -36,7 +38,13 @@ class CheckpointInfo:
     def from_manifest(cls, m: Manifest, key: str) -> CheckpointInfo:
         s = m.stats
         return cls(m.run, m.step, m.created, m.metrics, s["logical_bytes"], s["new_bytes"], s["stored_bytes"],
-                   s["chunks"], s["new_chunks"], m.doc["fingerprint"], key)
+                   s["chunks"], s["new_chunks"], m.doc["fingerprint"], key, _seconds(s.get("save_us")),
+                   _seconds(s.get("stall_us")))
+
+
+def _seconds(value: object) -> float | None:
+    """A timing of the manifest's stats, stored in integer microseconds (optional: older manifests lack them)."""
+    return value / 1e6 if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class SaveHandle:

@@ -19,6 +19,7 @@ from . import signatures
 from .info import VerifyReport
 from .kind import CHECKPOINTS
 from .reading import Reading
+from .removal import move_latest_ref
 from .saving import Saving
 
 
@@ -112,9 +113,11 @@ class Maintaining(Saving, Reading):
             key = manifest_key(run, step)
             if not self.store.exists(key):
                 return False
-            self.store.delete(key)
-            for sig in list(self.store.list(signatures_prefix(run, step))):  # they sign content that is gone
+            for sig in list(self.store.list(signatures_prefix(run, step))):  # they sign content that is going
                 self.store.delete(sig)
+            # the latest ref moves off it first (to the newest remaining checkpoint, or goes): never dangling
+            move_latest_ref(self.store, run, step, [s for s in self.steps(run) if s != step])
+            self.store.delete(key)
             return True
 
     def replication_status(self, run: str) -> dict[int, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -253,6 +254,8 @@ class _CheckpointWriter:
                         inline=lambda item: len(item[1]) < INLINE_BYTES, group=lambda item: len(item[1]),
                         group_size=GROUP_BYTES):
                     self.rows[i].append((h, size, x))
+                    if self.ctx.progress is not None:
+                        self.ctx.progress(size)
                     if h in self.new:
                         continue
                     if h in known:
@@ -333,6 +336,10 @@ class _CheckpointWriter:
                 "new_packs": len(self.writer.written),
             },
         }
+        if self.ctx.started is not None:  # sealed with the manifest: its commit follows at once (§8)
+            took = max(0.0, time.monotonic() - self.ctx.started)
+            stall = took if self.ctx.stall is None else min(took, max(0.0, self.ctx.stall))
+            doc["stats"].update(save_us=round(took * 1e6), stall_us=round(stall * 1e6))  # ints: older readers accept them
         code = code_version()
         if code is not None:
             doc["code"] = code

@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,7 @@ from ..repository.packwriter import PackChecker
 from ..repository.preflight import fits, refuse
 from ..tree import flatten
 from .info import CheckpointInfo, SaveHandle
+from .progress import SaveProgress
 from .kind import CHECKPOINTS
 from .request import SaveRequest, check_json, entries_by_path, same_version, tensor_versions, touched_hints
 from .rowdelta import DeltaPolicy, RowTrack
@@ -57,6 +59,7 @@ class Saving(RepositoryCore):
         self._parts_rows: dict[str, list[tuple[str, int, str]]] = {}
         self._staging = Staging()  # host buffer sets and the save_asyncs in flight (luopan.checkpoint.staging)
         self._worker: ThreadPoolExecutor | None = None
+        self.progress = True  # report long saves on stderr (luopan.checkpoint.progress); luopan.open(progress=)
 
     @property
     def _inflight(self) -> SaveHandle | None:
@@ -102,6 +105,7 @@ class Saving(RepositoryCore):
         trust_versions: bool = False,
         touched_rows: dict[str, Any] | None = None,
         inputs: list[str] | None = None,
+        progress: bool | None = None,
     ) -> CheckpointInfo:
         """Commit ``state`` as checkpoint ``step`` of ``run``; writes only chunks the repository lacks.
 
@@ -128,10 +132,16 @@ class Saving(RepositoryCore):
 
         ``inputs=["datasets/train@2"]`` names what the checkpoint was made from (artifact versions or other
         checkpoints, ``NAME@N``; each must exist): recorded in the manifest, shown by ``repo.lineage``.
+
+        ``progress`` (default: the repository's, ``luopan.open(progress=)``, on): a save that runs longer than two
+        seconds reports on stderr (a bar on a terminal, one line once committed); ``False`` keeps it silent. Every
+        committed save also logs one INFO record to the ``luopan`` logger (luopan.checkpoint.progress). The manifest
+        records the save's duration and stall (``stats.save_us``, ``stats.stall_us``: microseconds).
         """
+        started = time.monotonic()
         self.drain()
         return self._commit(self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions,
-                                          touched_rows, inputs))
+                                          touched_rows, inputs), (started, None, progress))
 
     def save_async(
         self,
@@ -146,6 +156,7 @@ class Saving(RepositoryCore):
         touched_rows: dict[str, Any] | None = None,
         inputs: list[str] | None = None,
         overlap: bool = True,
+        progress: bool | None = None,
     ) -> SaveHandle:
         """Like ``save``, but returns as soon as the state is copied into reusable host buffers (CUDA tensors:
         pinned buffers, asynchronous copies on a side stream); hashing, packing and writing happen on a background
@@ -159,7 +170,10 @@ class Saving(RepositoryCore):
         ``handle.wait()`` returns the CheckpointInfo or raises the save's error; an error nobody waited for is raised
         by the next ``save``/``save_async``/``close`` instead, never dropped. Bad input is still raised here,
         synchronously. A process killed mid-persist leaves no visible checkpoint (the manifest is written last).
+        ``progress`` as for ``save`` (a background save prints its line, never a bar); the manifest's
+        ``stats.stall_us`` is the time this call blocked.
         """
+        started = time.monotonic()
         staging = self._staging
         target = staging.acquire(overlap)  # raises a finished save's unseen error; waits while both sets are read
         plan = self._prepare(run, step, state, metrics, metadata, overwrite, trust_versions, touched_rows, inputs)
@@ -176,16 +190,18 @@ class Saving(RepositoryCore):
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "luopan-save")
             drain_at_exit(self)
-        future = self._worker.submit(self._commit_async, plan, staging.prior(plan.run))
+        timing = (started, time.monotonic() - started, progress)
+        future = self._worker.submit(self._commit_async, plan, staging.prior(plan.run), timing)
         handle = SaveHandle(future, plan.run, plan.step)
         staging.submitted(handle, target, plan.versions, _logical(plan))
         return handle
 
-    def _commit_async(self, plan: SaveRequest, prior: Future[CheckpointInfo] | None) -> CheckpointInfo:
+    def _commit_async(self, plan: SaveRequest, prior: Future[CheckpointInfo] | None,
+                      timing: _Timing) -> CheckpointInfo:
         """The background half of save_async, on the one worker: ``prior`` (the run's save before it) is done."""
         if plan.hints and prior is not None and (not prior.done() or prior.exception() is not None):
             plan.hints = {}  # they name rows touched since a save that did not commit: detect changes instead
-        return self._commit(plan)
+        return self._commit(plan, timing)
 
     def drain(self) -> None:
         """Wait for the saves in flight; raise an error no caller has observed (naming any other)."""
@@ -276,13 +292,22 @@ class Saving(RepositoryCore):
             total += changed
         return total
 
-    def _commit(self, plan: SaveRequest) -> CheckpointInfo:
+    def _commit(self, plan: SaveRequest, timing: _Timing | None = None) -> CheckpointInfo:
         # A shared lock: saves run side by side, prune/gc wait for them (and they for prune/gc), docs/format.md §9.2.
-        with locked(self.store, "shared", f"save of {plan.run} step {plan.step}", timeout=self.lock_timeout,
-                    where=self.where):
-            return self._commit_locked(plan)
+        started, stall, show = timing if timing is not None else (time.monotonic(), None, None)
+        progress = SaveProgress(plan.run, plan.step, _logical(plan), started=started, background=stall is not None,
+                                enabled=self.progress if show is None else bool(show))
+        try:
+            with locked(self.store, "shared", f"save of {plan.run} step {plan.step}", timeout=self.lock_timeout,
+                        where=self.where):
+                info = self._commit_locked(plan, started, stall, progress)
+        finally:
+            progress.close()
+        progress.finish(info)
+        return info
 
-    def _commit_locked(self, plan: SaveRequest) -> CheckpointInfo:
+    def _commit_locked(self, plan: SaveRequest, started: float, stall: float | None,
+                       progress: SaveProgress) -> CheckpointInfo:
         if plan.run not in self._recorded:  # the run's record, once (docs/format.md §8.1)
             try:
                 Run(self, plan.run).write_record()
@@ -291,7 +316,7 @@ class Saving(RepositoryCore):
             self._recorded.add(plan.run)
         context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
                                self._delta_tracks(plan.run), self.delta_policy, self._intact_packs,
-                               self._bad_bases)
+                               self._bad_bases, started, stall, progress.advance)
         with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
             result = write_checkpoint(context, plan)
         self.learned(result.new_locations, result.index_key)
@@ -317,6 +342,9 @@ class Saving(RepositoryCore):
         are never used: a crafted manifest could map a public chunk's XXH3 to another chunk's BLAKE3 and poison
         this process's saves, so the first save of a run in a process hashes everything."""
         return self._previous.get(run, {})
+
+
+_Timing = tuple[float, "float | None", "bool | None"]  # (monotonic start of the call, stall of save_async, progress)
 
 
 def refuse_pinned(repo: Saving, run: str, step: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,3 +34,6 @@ class WriteContext:
     policy: DeltaPolicy = field(default_factory=DeltaPolicy)
     intact_packs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pack id -> signature when found intact
     bad_bases: set[str] = field(default_factory=set)  # chunks that failed verification when read back as a base
+    started: float | None = None  # time.monotonic() of the save call: the manifest records the save's duration
+    stall: float | None = None  # seconds save_async blocked its caller (None: a synchronous save, blocked throughout)
+    progress: Callable[[int], None] | None = None  # called with the bytes of each chunk hashed

@@ -6,9 +6,11 @@ Exit codes: 0 ok, 1 error, 2 usage, 3 damaged data, 4 not found, 5 repository ne
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -17,6 +19,7 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from .. import __version__
 from ..errors import (
@@ -33,15 +36,49 @@ from ..repo import Repo
 from ..repo import open as repo_open
 from ..units import format_bytes
 
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or odd stream
+        return False
+
+
+# Help and usage errors in rich panels only when both streams are terminals; piped (luopan ls --bogus 2>&1 | cat,
+# luopan --help | less) they are click's plain text, without box characters.
+MARKUP: Any = "rich" if _is_tty(sys.stdout) and _is_tty(sys.stderr) else None
+
 app = typer.Typer(
     name="luopan",
     help="luopan (落盘): atomic, verified, incremental checkpoints for AI runs.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # luopan --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_enable=False,
+    rich_markup_mode=MARKUP,
 )
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
+_WIDE = 1_000_000  # the width of output that is not a terminal: nothing wraps, no entry name is cut
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console for stdout (or stderr). On a terminal: rich's colours and width. Piped or redirected: no colours,
+    no wrapping at 80 columns (a command in an error message, a long entry name stay whole on one line). NO_COLOR
+    (any value) turns colours off on a terminal too, as rich does."""
+    if _is_tty(sys.stderr if stderr else sys.stdout):
+        return Console(stderr=stderr, soft_wrap=stderr)
+    return Console(stderr=stderr, soft_wrap=True, width=_WIDE, no_color=True, highlight=False,
+                   color_system=None)
+
+
+out = _console()
+err = _console(stderr=True)
+
+
+def table(*args: Any, **kwargs: Any) -> Table:
+    """A rich Table: box characters on a terminal, plain space-separated columns when stdout is not one."""
+    if not out.is_terminal:
+        kwargs.setdefault("box", None)
+    return Table(*args, **kwargs)
 
 RepoOpt = Annotated[
     Optional[str],
@@ -83,6 +120,27 @@ def repo_location(repo: str | None) -> str:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+_OS_ERRORS = {  # errno -> what a system error no luopan type names is called in the one-line message
+    errno.ENOENT: "no such file or directory", errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+    errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",
+    errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory", errno.EEXIST: "already exists",
+    errno.ENAMETOOLONG: "file name too long", errno.EIO: "input/output error",
+}
+
+
+def error_message(exc: BaseException) -> str:
+    """The one line a CLI error prints: a luopan error's own message (without Python's ``[Errno N]`` prefix); for
+    a plain OSError, what happened and the path (``permission denied: /data/x``, ``disk full: /data/x``)."""
+    if isinstance(exc, OSError) and not isinstance(exc, LuopanError):
+        what = _OS_ERRORS.get(exc.errno or 0) or exc.strerror or type(exc).__name__
+        paths = [os.fsdecode(p) for p in (exc.filename, exc.filename2) if p is not None]
+        return what + (f": {' -> '.join(paths)}" if paths else "")
+    if isinstance(exc, OSError) and exc.strerror and exc.errno is not None and exc.args and exc.args[0] == exc.errno:
+        return exc.strerror + (f": {os.fsdecode(exc.filename)}" if exc.filename is not None and
+                               os.fsdecode(exc.filename) not in exc.strerror else "")
+    return str(exc)
+
+
 def handles_errors(fn: F) -> F:
     """Print a luopan (or system) error as one ``error:`` line and exit with its code from EXIT_CODES."""
     @functools.wraps(fn)
@@ -90,7 +148,7 @@ def handles_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except (LuopanError, OSError) as exc:  # OSError: a system error no luopan type names (writing an output)
-            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True)
+            err.print(f"[bold red]error:[/] {escape(error_message(exc))}", highlight=False, markup=True)
             raise typer.Exit(exit_code_for(exc)) from None
 
     return wrapper  # type: ignore[return-value]

@@ -9,13 +9,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
 from ..artifact import Artifact, ArtifactVersion
-from ..errors import UsageError
+from ..errors import IntegrityError, UsageError
 from ..format.names import check_artifact, check_version, is_artifact_name, is_run_name, parse_ref_text
 from ..retention import rules_from_flags
 from .app import (
+    MARKUP,
     JsonOpt,
     RepoOpt,
     app,
@@ -28,10 +28,11 @@ from .app import (
     out,
     print_plan,
     repo_location,
+    table,
 )
 
 artifact_app = typer.Typer(help="Versioned files and directories (datasets, eval outputs) with lineage.",
-                           no_args_is_help=True)
+                           no_args_is_help=True, rich_markup_mode=MARKUP)
 app.add_typer(artifact_app, name="artifact")
 
 
@@ -138,7 +139,7 @@ def ls(
         if not rows:
             out.print("no artifacts yet")
             return
-        t = Table(title=f"artifacts in {r.where}")
+        t = table(title=f"artifacts in {r.where}")
         for col in ("artifact", "latest", "files", "size", "created"):
             t.add_column(col, justify="right" if col in ("latest", "files", "size") else "left")
         for n, v in rows:
@@ -152,7 +153,7 @@ def ls(
     if as_json:
         emit_json({**version_json(v), "files": [{"path": p, "mode": oct(m), "size": s} for p, m, s in files]})
         return
-    t = Table(title=f"{v.ref}")
+    t = table(title=f"{v.ref}")
     for col in ("path", "mode", "size"):
         t.add_column(col, justify="right" if col == "size" else "left")
     for p, m, s in files:
@@ -179,7 +180,7 @@ def log(
         emit_json({"name": art.name, "versions": [{**version_json(v), "pinned": v.version in pins}
                                                   for v in versions]})
         return
-    t = Table(title=f"versions of {art.name}")
+    t = table(title=f"versions of {art.name}")
     for col in ("version", "created", "files", "size", "written", "parents", "metadata"):
         t.add_column(col, justify="right" if col in ("version", "files", "size", "written") else "left")
     for v in versions:
@@ -201,6 +202,7 @@ def checkout(
     repo: RepoOpt = None,
     ref: Annotated[str, typer.Argument(metavar="NAME[@V]", help="Artifact (latest version) or NAME@V.")],
     dest: Annotated[str, typer.Argument(help="New directory to create (must not exist).")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Write a version into the new directory DEST: every chunk verified, the directory appears whole."""
     r = open_repo(repo_location(repo))
@@ -209,6 +211,9 @@ def checkout(
     v = art.get(version)
     with bar("checking out", v.logical_bytes) as advance:
         path = art.checkout(dest, v.version, progress=advance)
+    if as_json:
+        emit_json({**version_json(v), "path": str(path)})
+        return
     out.print(f"checked out {v.ref} ({len(v.files)} file(s), {human(v.logical_bytes)}) to {path}", highlight=False)
 
 
@@ -218,12 +223,24 @@ def verify(
     *,
     repo: RepoOpt = None,
     ref: Annotated[str, typer.Argument(metavar="NAME[@V]", help="Artifact (every version) or NAME@V.")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Read every chunk of an artifact's versions (or of NAME@V) and check it. Exit 3 and name the damage if any."""
     r = open_repo(repo_location(repo))
     name, version = split_ref(ref)
     with bar("verifying", None) as advance:
-        checked = r.artifact(name).verify(version, progress=advance)
+        try:
+            checked = r.artifact(name).verify(version, progress=advance)
+        except IntegrityError as exc:
+            if not as_json:
+                raise
+            problems = getattr(exc, "problems", None) or [exc]
+            emit_json({"ok": False, "ref": ref, "problems": [{"type": type(p).__name__, "message": str(p)}
+                                                             for p in problems]})
+            raise typer.Exit(3) from None
+    if as_json:
+        emit_json({"ok": True, "ref": ref, "bytes": checked, "problems": []})
+        return
     out.print(f"[green]ok[/]: {escape(ref)}: {human(checked)} read and verified")
 
 
@@ -234,12 +251,16 @@ def pin(
     repo: RepoOpt = None,
     ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The version to protect.")],
     tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Protect an artifact version: prune never removes a pinned version."""
     name, version = split_ref(ref)
     if version is None:
         raise UsageError(f"pin needs a version: NAME@V, e.g. {name}@1")
     open_repo(repo_location(repo)).artifact(name).pin(version, tag)
+    if as_json:
+        emit_json({"artifact": name, "version": version, "tag": tag, "pinned": True})
+        return
     out.print(f"pinned {name}@{version}" + (f" as {tag!r}" if tag else ""), highlight=False)
 
 
@@ -249,6 +270,7 @@ def unpin(
     *,
     repo: RepoOpt = None,
     ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The version to unpin.")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Remove a version's pin (the version stays until a prune removes it)."""
     name, version = split_ref(ref)
@@ -257,6 +279,9 @@ def unpin(
     if not open_repo(repo_location(repo)).artifact(name).unpin(version):
         err.print(f"[bold red]error:[/] {escape(ref)} is not pinned")
         raise typer.Exit(4)
+    if as_json:
+        emit_json({"artifact": name, "version": version, "pinned": False})
+        return
     out.print(f"unpinned {name}@{version}", highlight=False)
 
 

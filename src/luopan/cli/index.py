@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ..index import IndexStore
 from ..index.kind import INDEX_KIND
 from .app import (
+    MARKUP,
     JsonOpt,
     RepoOpt,
     app,
@@ -20,10 +20,11 @@ from .app import (
     open_repo,
     out,
     repo_location,
+    table,
 )
 
 index_app = typer.Typer(help="Vector-index snapshots (FAISS): list versions, roll the live one back.",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=MARKUP)
 app.add_typer(index_app, name="index")
 
 
@@ -60,7 +61,7 @@ def ls(
         if not rows:
             out.print("no indexes yet")
             return
-        t = Table(title=f"indexes in {r.where}")
+        t = table(title=f"indexes in {r.where}")
         for col in ("index", "live", "versions", "type", "vectors", "size"):
             t.add_column(col, justify="left" if col in ("index", "type") else "right")
         for idx, live, i, count in rows:
@@ -77,7 +78,7 @@ def ls(
     if as_json:
         emit_json({"name": idx.name, "live": live, "versions": infos})
         return
-    t = Table(title=f"versions of index {idx.name}")
+    t = table(title=f"versions of index {idx.name}")
     for col in ("version", "created", "type", "vectors", "size", "written", "metadata"):
         t.add_column(col, justify="left" if col in ("created", "type", "metadata") else "right")
     for v in infos:

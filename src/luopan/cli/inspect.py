@@ -6,12 +6,13 @@ import json
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.table import Table
 
 from ..checkpoint.info import CheckpointInfo
 from ..repo import Repo
-from ..errors import IntegrityError, StorageError, UnsupportedFormatError
-from ..format.names import manifest_key
+from ..checkpoint.export import diff_manifests
+from ..checkpoint.resumes import list_resumes
+from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
+from ..format.names import manifest_key, parse_ref_text
 from .artifact import is_artifact_target, log as artifact_log
 from .app import (
     JsonOpt,
@@ -31,6 +32,7 @@ from .app import (
     ratio,
     repo_location,
     report_strays,
+    table,
 )
 
 @app.command("ls")
@@ -39,12 +41,21 @@ def ls(
     *,
     repo: RepoOpt = None,
     run: Annotated[Optional[str], typer.Argument(help="Run to list checkpoints of; all runs when omitted.")] = None,
+    best: Annotated[Optional[str], typer.Option(
+        "--best", metavar="METRIC[:min|max]",
+        help="Only the best checkpoint of RUN by a recorded metric, one line (lowest by default; METRIC:max for "
+             "the highest): STEP METRICS TIME.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List runs (and artifacts), or the checkpoints of RUN with sizes, bytes newly written and dedup ratio. An
-    artifact name lists its versions (as `luopan artifact log NAME`)."""
+    artifact name lists its versions (as `luopan artifact log NAME`). With --best METRIC, only RUN's best checkpoint."""
     repo = repo_location(repo)
+    if best is not None and run is None:
+        raise UsageError("--best needs a run: luopan ls RUN --best METRIC[:min|max]")
     r = open_repo(repo)
+    if best is not None:
+        _best(r, run, best, as_json)
+        return
     if run is None:
         report_strays(r)
         rows = []
@@ -67,7 +78,7 @@ def ls(
         if not rows:
             out.print("no checkpoints yet")
             return
-        t = Table(title=f"runs in {r.store.describe()}")
+        t = table(title=f"runs in {r.store.describe()}")
         for col in ("run", "checkpoints", "latest step", "latest time", "logical", "stored"):
             t.add_column(col, justify="right" if col not in ("run", "latest time") else "left")
         for row in rows:
@@ -95,7 +106,7 @@ def ls(
         if damaged:
             raise typer.Exit(3)
         return
-    t = Table(title=f"checkpoints of {run}")
+    t = table(title=f"checkpoints of {run}")
     for col in ("step", "time", "metrics", "logical", "written", "dedup") + (("tier",) if tiers is not None else ()):
         t.add_column(col, justify="left" if col in ("time", "metrics", "tier") else "right")
     for c in cps:
@@ -106,6 +117,34 @@ def ls(
     if damaged:
         err.print(f"[bold red]{len(damaged)} damaged checkpoint(s)[/]; run `luopan verify -r {escape(repo)} "
                   f"{escape(run)}` for details")
+        raise typer.Exit(3)
+
+
+def _best(r: Repo, run: str, best: str, as_json: bool) -> None:
+    """`ls RUN --best METRIC[:min|max]`: the checkpoint with the lowest (highest) numeric value of METRIC, the
+    newest among equals; a metric no checkpoint records is a usage error listing those recorded."""
+    metric, _, order = best.partition(":")
+    if not metric or order not in ("", "min", "max"):
+        raise UsageError(f"--best takes METRIC, METRIC:min or METRIC:max (e.g. loss, accuracy:max), got {best!r}")
+    cps, damaged = _checkpoints(r, run)
+    if not cps and not damaged:
+        raise typer.Exit(not_found(f"run {run!r} has no checkpoints"))
+    for step, why in damaged:
+        err.print(f"[bold red]DAMAGED[/] step {step} (not considered): {escape(why)}", highlight=False)
+    scored = [(c.metrics[metric], c) for c in cps if isinstance(c.metrics.get(metric), (int, float))
+              and not isinstance(c.metrics.get(metric), bool) and c.metrics[metric] == c.metrics[metric]]
+    if not scored:
+        recorded = sorted({k for c in cps for k, v in c.metrics.items() if isinstance(v, (int, float))})
+        raise UsageError(f"no checkpoint of run {run!r} records metric {metric!r} as a number; recorded: "
+                         + (", ".join(recorded) if recorded else "none"))
+    sign = -1 if order == "max" else 1
+    value, c = min(scored, key=lambda vc: (sign * vc[0], -vc[1].step))
+    if as_json:
+        emit_json({"run": run, "metric": metric, "order": order or "min", "value": json_safe(value), "step": c.step,
+                   "created": c.created, "metrics": json_safe(c.metrics), "candidates": len(scored)})
+    else:
+        out.print(f"{c.step} {metrics_text(c.metrics)} {c.created[:19]}", highlight=False)
+    if damaged:
         raise typer.Exit(3)
 
 
@@ -137,9 +176,10 @@ def show(
     doc = m.doc
     record = r.run(run).record() if step is None else None
     evals = r.run(run).evals() if step is None else []
+    resumes = list_resumes(r, run) if step is None else []
     if as_json:
         emit_json({"run": m.run, "step": m.step, "created": m.created, "metrics": json_safe(m.metrics),
-                    **({"record": record, "evals": evals} if step is None else {}),
+                    **({"record": record, "evals": evals, "resumes": json_safe(resumes)} if step is None else {}),
                     "metadata": doc["metadata"], "environment": doc["environment"], "code": doc.get("code"),
                     "fingerprint": doc["fingerprint"], "stats": doc["stats"], "packs": len(m.packs),
                     "entries": [{k: e[k] for k in ("path", "kind", "dtype", "shape", "nbytes")}
@@ -153,6 +193,10 @@ def show(
     s = doc["stats"]
     if record is not None:
         _print_record(record, evals)
+    for res in resumes:
+        out.print(f"resume       {resume_text(res)}")
+    if resumes:
+        out.print("")
     out.print(f"[bold]{m.run}[/] step [bold]{m.step}[/]  created {m.created}")
     if m.metrics:
         out.print(f"metrics      {metrics_text(m.metrics)}")
@@ -165,7 +209,7 @@ def show(
     out.print(f"fingerprint  {doc['fingerprint']}")
     out.print(f"size         {human(s['logical_bytes'])} logical, {human(s['stored_bytes'])} written by this save "
               f"({s['new_chunks']} of {s['chunks']} chunks new, {len(m.packs)} packs referenced)")
-    t = Table()
+    t = table()
     for col in ("entry", "kind", "dtype", "shape", "bytes", "chunks"):
         t.add_column(col, justify="right" if col in ("bytes", "chunks") else "left")
     for e in m.entries:
@@ -176,6 +220,18 @@ def show(
             chunks += f" XOR over step {e['xor']['base_step']}"
         t.add_row(e["path"], e["kind"], e["dtype"], str(tuple(e["shape"])), human(e["nbytes"]), chunks)
     out.print(t)
+
+
+def resume_text(res: dict[str, Any]) -> str:
+    """One line for a resume of the run (CheckpointManager's resume check, luopan.checkpoint.resumes)."""
+    took = res.get("restore_seconds")
+    head = f"from step {res['step']} at {res.get('time') or '?'}" + (f", restore {took:.2f}s" if took else "")
+    if res.get("matched") is True:
+        return f"{head}: matched the interrupted run over {res.get('steps_compared', 0)} steps"
+    if res.get("matched") is False:
+        detail = f" ({res['detail']})" if res.get("detail") else ""
+        return f"{head}: DIVERGED from the interrupted run at step {res.get('first_divergent_step')}{detail}"
+    return f"{head}: not decided ({res.get('steps_compared', 0)} steps compared)"
 
 
 def _print_record(rec: dict[str, Any], evals: list[int]) -> None:
@@ -204,19 +260,36 @@ def _print_record(rec: dict[str, Any], evals: list[int]) -> None:
 def diff(
     *,
     repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    step_a: Annotated[int, typer.Argument(help="Older step.")],
-    step_b: Annotated[int, typer.Argument(help="Newer step.")],
+    first: Annotated[str, typer.Argument(metavar="RUN | RUN_A@STEP", help="Run name, or the older checkpoint "
+                                                                       "as RUN@STEP.")],
+    second: Annotated[str, typer.Argument(metavar="STEP_A | RUN_B@STEP", help="Older step of RUN, or the newer "
+                                                                          "checkpoint as RUN@STEP.")],
+    third: Annotated[Optional[str], typer.Argument(metavar="[STEP_B]", help="Newer step of RUN.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List the entries that changed between two checkpoints of RUN, and how many bytes differ."""
+    """List the entries that changed between two checkpoints, and how many bytes differ: two steps of one run
+    (diff RUN STEP_A STEP_B) or checkpoints of two runs (diff RUN_A@STEP RUN_B@STEP)."""
     repo = repo_location(repo)
+    if "@" in first or "@" in second:
+        if third is not None or "@" not in first or "@" not in second:
+            raise UsageError("give two checkpoints of one run (luopan diff RUN STEP_A STEP_B) or two checkpoints "
+                             "as RUN@STEP (luopan diff RUN_A@STEP RUN_B@STEP)")
+        (run_a, step_a), (run_b, step_b) = (parse_ref_text(x, "checkpoint (RUN@STEP)") for x in (first, second))
+    else:
+        if third is None:
+            raise UsageError("diff needs RUN STEP_A STEP_B, or RUN_A@STEP RUN_B@STEP")
+        run_a = run_b = first
+        step_a, step_b = (_step(x) for x in (second, third))
     r = open_repo(repo)
-    d = r.diff(run, step_a, step_b)
+    d = diff_manifests(r.manifest(run_a, step_a), r.manifest(run_b, step_b)) if run_a != run_b else \
+        r.diff(run_a, step_a, step_b)
+    d = {"from_run": run_a, **d}
     if as_json:
         emit_json(json_safe(d))
         return
-    t = Table(title=f"{run}: step {step_a} -> {step_b}")
+    run = run_a
+    t = table(title=f"{run}: step {step_a} -> {step_b}" if run_a == run_b else
+              f"{run_a}@{step_a} -> {run_b}@{step_b}")
     for col in ("change", "entry", "dtype", "shape", "bytes differing"):
         t.add_column(col, justify="right" if col == "bytes differing" else "left")
     for c in d["changed"]:
@@ -229,6 +302,13 @@ def diff(
     out.print(t)
     out.print(f"{len(d['changed'])} changed, {len(d['added'])} added, {len(d['removed'])} removed, "
               f"{d['unchanged']} unchanged; {human(d['changed_bytes'])} differ")
+
+
+def _step(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"a step is a number, got {text!r}") from None
 
 
 @app.command()

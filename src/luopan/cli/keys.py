@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from ..signing import generate_key
-from .app import RepoOpt, app, handles_errors, open_repo, out, repo_location
+from .app import MARKUP, JsonOpt, RepoOpt, app, emit_json, handles_errors, open_repo, out, repo_location
 
 key_app = typer.Typer(help="Signing keys: Ed25519 for checkpoints and patches, ECDSA P-256 for model_signing.",
-                      no_args_is_help=True)
+                      no_args_is_help=True, rich_markup_mode=MARKUP)
 app.add_typer(key_app, name="key")
 
 
@@ -23,6 +23,7 @@ def gen(
     kind: Annotated[str, typer.Option("--type", help="ed25519 (luopan sign, patches, indexes) or ecdsa-p256 (only "
                                       "for `luopan export --sign`: the OpenSSF model_signing tool accepts only "
                                       "EC keys).")] = "ed25519",
+    as_json: JsonOpt = False,
 ) -> None:
     """Make a new key pair: NAME.key (private, mode 0600: keep it secret, sign with it) and NAME.pub (give it to whoever
     checks signatures: put it in their --trusted-keys directory, or pass it to `model_signing verify key
@@ -31,7 +32,13 @@ def gen(
     if kind == "ed25519":
         from ..signing import load_signing_key
 
-        out.print(f"wrote {private} (private) and {public} (public); key id {load_signing_key(private).key_id}")
+        key_id = load_signing_key(private).key_id
+        if as_json:
+            emit_json({"type": kind, "private": str(private), "public": str(public), "key_id": key_id})
+            return
+        out.print(f"wrote {private} (private) and {public} (public); key id {key_id}")
+    elif as_json:
+        emit_json({"type": kind, "private": str(private), "public": str(public), "key_id": None})
     else:
         out.print(f"wrote {private} (private) and {public} (public), an ECDSA P-256 pair for model_signing "
                   f"interop only: `luopan export ... --sign {private}`")
@@ -45,9 +52,13 @@ def sign(
     run: Annotated[str, typer.Argument(help="Run name.")],
     step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
     key: Annotated[str, typer.Option("--key", "-k", help="Private key file (luopan key gen).")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Sign a checkpoint's content (its tree, metrics and every chunk's BLAKE3 address) with an Ed25519 key;
     `luopan verify --trusted-keys DIR` then checks it with the hashes."""
     r = open_repo(repo_location(repo))
     doc = r.sign(run, step, key)
+    if as_json:
+        emit_json({"run": run, "step": doc["step"], "key_id": doc["signature"]["key_id"], "content": doc["content"]})
+        return
     out.print(f"signed {run} step {doc['step']} with {doc['signature']['key_id']} (content {doc['content'][:23]}…)")

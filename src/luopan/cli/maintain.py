@@ -39,11 +39,16 @@ def init(
              "§6.1), none, zstd or zstd:LEVEL.")] = "auto",
     chunk_size: Annotated[Optional[int], typer.Option(help="Chunk size in bytes (default 4 MiB).")] = None,
     pack_size: Annotated[Optional[int], typer.Option(help="Target pack size in bytes (default 64 MiB).")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Create a new, empty repository."""
     repo = repo_location(repo)
     r = repo_init(repo, compression=compression, chunk_size=chunk_size, pack_size=pack_size)
     c = r.config
+    if as_json:
+        emit_json({"repository": r.store.describe(), "format_version": c.format_version, "chunk_size": c.chunk_size,
+                   "pack_size": c.pack_size, "compression": c.compression.codec})
+        return
     out.print(f"created luopan repository at [bold]{r.store.describe()}[/] "
               f"(format {c.format_version}, chunks {human(c.chunk_size)}, packs {human(c.pack_size)}, "
               f"compression {c.compression.codec})")
@@ -104,12 +109,18 @@ def pin(
     step: Annotated[Optional[int], typer.Argument(help="Step of the checkpoint (or artifact version) to protect.")]
     = None,
     tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Protect a checkpoint (or artifact version): `luopan prune` never removes a pinned one."""
     repo = repo_location(repo)
     r = open_repo(repo)
     run, step = name_and_number(run, step)
-    (r.artifact(run) if is_artifact_target(r, run) else r.run(run)).pin(step, tag)
+    artifact = is_artifact_target(r, run)
+    (r.artifact(run) if artifact else r.run(run)).pin(step, tag)
+    if as_json:
+        emit_json({"artifact" if artifact else "run": run, "version" if artifact else "step": step, "tag": tag,
+                   "pinned": True})
+        return
     out.print(f"pinned {run} step {step}" + (f" as {tag!r}" if tag else ""))
 
 
@@ -120,12 +131,18 @@ def unpin(
     repo: RepoOpt = None,
     run: Annotated[str, typer.Argument(help="Run name (or artifact name; or NAME@V without STEP).")],
     step: Annotated[Optional[int], typer.Argument(help="Step (or artifact version) to unpin.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Remove a pin (the checkpoint or artifact version itself stays until a prune removes it)."""
     repo = repo_location(repo)
     r = open_repo(repo)
     run, step = name_and_number(run, step)
-    if (r.artifact(run) if is_artifact_target(r, run) else r.run(run)).unpin(step):
+    artifact = is_artifact_target(r, run)
+    if (r.artifact(run) if artifact else r.run(run)).unpin(step):
+        if as_json:
+            emit_json({"artifact" if artifact else "run": run, "version" if artifact else "step": step,
+                       "pinned": False})
+            return
         out.print(f"unpinned {run} step {step}")
     else:
         raise typer.Exit(not_found(f"run {run!r} step {step} is not pinned"))
@@ -227,11 +244,15 @@ def unlock(
     repo: RepoOpt = None,
     remove_all: Annotated[bool, typer.Option("--all", help="Remove every lock, not only stale ones: only when you "
                                                            "know no luopan process uses the repository.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Remove stale locks (their process is gone, or they were not refreshed for 30 min)."""
     repo = repo_location(repo)
 
     removed = break_locks(open_repo(repo).store, stale_only=not remove_all)
+    if as_json:
+        emit_json({"removed": [rec.to_json() for rec in removed]})
+        return
     for rec in removed:
         out.print(f"removed {rec.describe()}", highlight=False)
     out.print(f"{len(removed)} lock(s) removed")

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from ..errors import UsageError
 from ..patch import apply, create
 from ..units import parse_bytes
-from .app import JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, open_repo, out, repo_location
+from .app import MARKUP, JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, open_repo, out, repo_location
 
 
 @contextmanager
@@ -25,7 +25,7 @@ def bar(what: str, total: int | None) -> Iterator[tuple[Callable[[int], Any], Ca
         yield (lambda n: progress.advance(task, n)), (lambda n: progress.update(task, total=n))
 
 patch_app = typer.Typer(help="Portable patches: the change between two checkpoints as one signed file, applied to a "
-                             "safetensors base without a repository.", no_args_is_help=True)
+                             "safetensors base without a repository.", no_args_is_help=True, rich_markup_mode=MARKUP)
 app.add_typer(patch_app, name="patch")
 
 

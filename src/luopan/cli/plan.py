@@ -7,10 +7,9 @@ from typing import Annotated, Any, Literal, Optional
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-from rich.table import Table
 
 from .. import plan as _plan
-from .app import JsonOpt, app, emit_json, err, handles_errors, human, out
+from .app import JsonOpt, app, emit_json, err, handles_errors, human, out, table
 
 def _plan_arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """Wrap a `luopan.plan` parser so its PlanInputError becomes a usage error (exit 2) with its message."""
@@ -101,7 +100,7 @@ def plan(
     out.print(f"per parameter: {accounting.describe()}; gradients not counted", highlight=False)
     out.print(f"bandwidth: {bandwidth / 1e6:,.0f} MB/s ({source})", highlight=False)
     for p in plans:
-        t = Table(title=f"{_plan.format_count(p.params)} parameters", title_justify="left")
+        t = table(title=f"{_plan.format_count(p.params)} parameters", title_justify="left")
         t.add_column("")
         for header in p.columns():
             t.add_column(header, justify="right")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..errors import IntegrityError, UsageError
 from .artifact import is_artifact_target, verify as artifact_verify
-from .app import RepoOpt, app, err, escape, handles_errors, human, open_repo, out, repo_location
+from .app import JsonOpt, RepoOpt, app, emit_json, err, escape, handles_errors, human, open_repo, out, repo_location
 
 @app.command()
 @handles_errors
@@ -23,6 +23,7 @@ def verify(
         "--trusted-keys", envvar="LUOPAN_TRUSTED_KEYS",
         help="Directory of trusted public keys (*.pub): every checkpoint must also be signed by one (luopan sign).")]
     = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Read every byte of the selected checkpoints (or artifact versions) and check every hash; without RUN, the whole
     repository: every checkpoint and artifact version, records, pins and index files. Exit 3 and name the damage."""
@@ -31,18 +32,21 @@ def verify(
     if run is not None and ("@" in run or is_artifact_target(r, run)):
         if trusted_keys:
             raise UsageError("--trusted-keys checks checkpoint signatures; artifact versions are not signed")
-        artifact_verify(repo=repo, ref=run if step is None else f"{run}@{step}")
+        artifact_verify(repo=repo, ref=run if step is None else f"{run}@{step}", as_json=as_json)
         return
     with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=err, transient=True) as bar:
+                  TimeRemainingColumn(), console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("verify", total=None)
         try:
             report = r.verify(run, step, progress=lambda n: bar.advance(task, n),
                               on_total=lambda n: bar.update(task, total=n), trusted_keys=trusted_keys)
         except IntegrityError as exc:
             bar.stop()
-            problems = getattr(exc, "problems", [exc])
+            problems = getattr(exc, "problems", None) or [exc]
             report = getattr(exc, "report", None)
+            if as_json:
+                emit_json(_verify_json(report, problems))
+                raise typer.Exit(3) from None
             for s in (report.strays if report is not None else []):
                 err.print(f"[yellow]not luopan's[/] (skipped) {escape(str(s))}", highlight=False)
             for p in problems:
@@ -50,6 +54,9 @@ def verify(
             err.print(f"[bold red]{len(problems)} problem(s) found[/]; undamaged checkpoints stay loadable "
                       "(run `luopan verify RUN STEP` to check one)")
             raise typer.Exit(3) from None
+    if as_json:
+        emit_json(_verify_json(report, []))
+        return
     for s in report.strays:
         err.print(f"[yellow]not luopan's[/] (skipped) {escape(str(s))}", highlight=False)
     out.print(f"[green]ok[/]: {report.checkpoints} checkpoint(s), {report.chunks} chunks, "
@@ -57,6 +64,13 @@ def verify(
                                                              if trusted_keys else "")
               + (f"; {len(report.strays)} entr{'y' if len(report.strays) == 1 else 'ies'} that "
                  f"{'is' if len(report.strays) == 1 else 'are'} not luopan's skipped" if report.strays else ""))
+
+
+def _verify_json(report: Any, problems: list[Any]) -> dict[str, Any]:
+    return {"ok": not problems, "checkpoints": getattr(report, "checkpoints", None),
+            "chunks": getattr(report, "chunks", None), "bytes": getattr(report, "bytes", None),
+            "strays": [str(s) for s in getattr(report, "strays", [])],
+            "problems": [{"type": type(p).__name__, "message": str(p)} for p in problems]}
 
 
 @app.command()
@@ -77,6 +91,7 @@ def export(
         "--sign", help="EC private key (luopan key gen --type ecdsa-p256): also write OUTPUT.sig, a signature the "
                        "OpenSSF model_signing tool verifies offline: model_signing verify key OUTPUT --signature "
                        "OUTPUT.sig --public_key KEY.pub. Needs pip install \"luopan[interop]\".")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file; with --adapter, a PEFT
     adapter directory. With --sign KEY, also sign what was written for the model_signing tool (OUTPUT.sig)."""
@@ -91,25 +106,34 @@ def export(
         from ..peft import export_adapter  # imports torch: only for adapters
 
         done = export_adapter(r, run, "adapter" if output == "model.safetensors" else output, step)
+        if as_json:
+            emit_json({"run": run, **done, "signature": _sign_export(done["path"], sign, quiet=True)})
+            return
         out.print(f"wrote adapter of {run} ({done['tensors']} tensors, {human(done['bytes'])}) to {done['path']}; "
                   f"base fingerprint {done['base_fingerprint']}")
         _sign_export(done["path"], sign)
         return
     m = r.manifest(run, step)
     with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=err, transient=True) as bar:
+                  TimeRemainingColumn(), console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("export", total=m.stats["logical_bytes"])
         info = r.export(run, output, m.step, subtree=subtree, progress=lambda n: bar.advance(task, n))
+    if as_json:
+        emit_json({"run": run, "step": m.step, **info, "signature": _sign_export(info["path"], sign, quiet=True)})
+        return
     out.print(f"wrote {info['tensors']} tensors ({human(info['bytes'])}) of {run} step {m.step} to {info['path']}")
     _sign_export(info["path"], sign)
 
 
-def _sign_export(path: str, key: Optional[str]) -> None:
+def _sign_export(path: str, key: Optional[str], quiet: bool = False) -> Optional[str]:
     if key is None:
-        return
+        return None
     from ..interop import sign_for_model_signing
 
     sig = sign_for_model_signing(path, key)
+    if quiet:
+        return str(sig)
     pub = key[:-4] + ".pub" if key.endswith(".key") else "KEY.pub"
     out.print(f"signed for model_signing: {sig}; verify with: model_signing verify key {path} --signature {sig} "
               f"--public_key {pub}", markup=False, highlight=False, soft_wrap=True)
+    return str(sig)

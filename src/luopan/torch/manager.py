@@ -5,8 +5,13 @@
     start = mgr.restore()                  # step to start from (0 for a new run)
     for step in range(start, total):
         loss = train_one_step(...)
-        mgr.maybe_save(step + 1, metrics={"loss": loss})
+        mgr.maybe_save(step + 1, metrics={"loss": loss})   # journals the metrics; saves when the policy says so
     mgr.close()
+
+``mgr.last_save`` (a luopan.checkpoint.progress.SaveReport) holds the figures of the last committed save, and
+``on_save=callback`` receives each one (for async saves once committed, on the loop's thread, at its next
+``maybe_save``/``log``/``save``/``close``). The resume check (luopan.checkpoint.resumes) compares the first steps after
+a ``restore()`` with the metrics the interrupted run journaled for them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint.info import CheckpointInfo, SaveHandle
+from ..checkpoint.progress import SaveReport, logger
+from ..checkpoint.resumes import ResumeCheck, RunJournal
 from ..checkpoint.read import chunk_refs, delta_jobs
 from ..checkpoint.runrecord import config_json
 from ..errors import IntegrityError
@@ -32,7 +39,7 @@ from ..repository.chunkio import check_pack_trailer, read_chunks
 from ..retention import KeepBest, Retention
 from ..store.base import KeyNotFound
 from ..tree import flatten
-from .state import TrainingState
+from .state import TrainingState, _world
 
 
 class CheckpointManager:
@@ -44,12 +51,21 @@ class CheckpointManager:
     not move (see Repo.save). After every save the manifest and the pack files it names are checked (sizes and
     trailer hashes); every ``verify_every`` saves, ``verify_sample`` entries are read back, their hashes checked,
     and compared byte for byte with what was saved (0 turns this off).
+
+    ``progress``: report saves longer than two seconds on stderr (None: the repository's setting, on by default;
+    False: silent); each committed save also logs an INFO record to the ``luopan`` logger. ``on_save``: called with
+    each committed save's SaveReport (step, stall_seconds, duration_seconds, bytes_written, dedup_ratio, …); an
+    exception it raises is a warning, the save stands. ``resume_check``: a luopan.checkpoint.resumes.ResumeCheck
+    (default ``ResumeCheck()``: 20 steps, exact), or False to journal no metrics and check nothing. Only rank 0 of
+    a torch.distributed job journals metrics.
     """
 
     def __init__(self, repo: Repo | str | os.PathLike[str], run: str, state: TrainingState, *,
                  policy: Any = None, async_save: bool = False, trust_versions: bool = False,
                  verify_every: int = 10, verify_sample: int = 8, config: dict[str, Any] | None = None,
-                 retention: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 retention: Any = None, clock: Callable[[], float] = time.monotonic, progress: bool | None = None,
+                 on_save: Callable[[SaveReport], Any] | None = None, resume_check: ResumeCheck | bool = True
+                 ) -> None:
         check_run(run)  # before the repository is opened or created
         self._owns_repo = not isinstance(repo, Repo)
         self.repo = repo if isinstance(repo, Repo) else open_repo(repo)
@@ -72,6 +88,13 @@ class CheckpointManager:
         self.restore_skipped: list[tuple[int, str]] = []  # (step, why) of damaged checkpoints restore() passed over
         self._metric_names: set[str] = set()
         self._warned_metrics = False
+        self.progress = progress
+        self.on_save = on_save
+        self.last_save: SaveReport | None = None  # the figures of the last committed save
+        check = ResumeCheck() if resume_check is True else resume_check
+        if check is not False and not isinstance(check, ResumeCheck):
+            raise TypeError(f"resume_check must be a ResumeCheck, True or False, not {resume_check!r}")
+        self._journal = RunJournal(self.repo, run, check) if check and _world()["rank"] == 0 else None
 
     # -- restore ------------------------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, strict: bool = True) -> int:
@@ -84,7 +107,17 @@ class CheckpointManager:
         verifies, IntegrityError names them all. A checkpoint that cannot be *read* (permissions, an unreachable
         object store) raises instead: that is not damage, and falling back would silently lose progress. With
         ``step``, that checkpoint or an error: never a fallback to another step.
+
+        With the resume check on, the resume is recorded (luopan.checkpoint.resumes.list_resumes) and the next steps'
+        metrics are compared with those the interrupted run logged.
         """
+        started = time.perf_counter()
+        restored = self._restore_any(step, strict)
+        if self._journal is not None:
+            self._journal.resumed(restored, time.perf_counter() - started)
+        return restored
+
+    def _restore_any(self, step: int | None, strict: bool) -> int:
         if step is not None:
             return self._restore(step, strict)
         self.restore_skipped = []
@@ -97,7 +130,7 @@ class CheckpointManager:
             except IntegrityError as exc:  # the state was not touched: load verifies everything first
                 self.restore_skipped.append((candidate, str(exc)))
                 warnings.warn(f"run {self.run!r}: skipped checkpoint step {candidate}, which does not verify "
-                              f"({exc}); trying the one before it", stacklevel=2)
+                              f"({exc}); trying the one before it", stacklevel=3)
         raise IntegrityError(f"no checkpoint of run {self.run!r} verifies (tried steps "
                              f"{', '.join(str(s) for s, _ in self.restore_skipped)}): run `luopan verify` to see "
                              "the damage")
@@ -121,15 +154,31 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------------------------------
     def maybe_save(self, step: int, metrics: dict[str, Any] | None = None, *, force: bool = False
                    ) -> CheckpointInfo | SaveHandle | None:
-        """Save when the policy says so (or ``force``); returns the CheckpointInfo (SaveHandle when async)."""
+        """Save when the policy says so (or ``force``); returns the CheckpointInfo (SaveHandle when async). The
+        metrics are journaled for the resume check either way (as by ``log``)."""
         metrics = dict(metrics or {})
+        self.log(step, metrics)
         reason = "forced" if force else self.policy.should_save(step, _floats(metrics), self.clock())
         if not reason:
             return None
-        return self.save(step, metrics, reason=str(reason))
+        return self._save(step, metrics, str(reason))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Journal the metrics of ``step`` (numbers, str, bool, None; tensors of one element) for the resume check,
+        without saving; after a ``restore()``, compare them with the interrupted run's. A background save that has
+        committed meanwhile is booked here (``last_save``, ``on_save``)."""
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
+        if self._journal is not None and metrics:
+            self._journal.log(step, metrics)
 
     def save(self, step: int, metrics: dict[str, Any] | None = None, *, reason: str = "explicit"
              ) -> CheckpointInfo | SaveHandle:
+        """Save now (metrics journaled as by ``log``); returns the CheckpointInfo (SaveHandle when async)."""
+        self.log(step, dict(metrics or {}))
+        return self._save(step, metrics, reason)
+
+    def _save(self, step: int, metrics: dict[str, Any] | None, reason: str) -> CheckpointInfo | SaveHandle:
         self._finish_pending()
         self._metric_names.update(k for k in (metrics or {}) if isinstance(k, str))
         if not self._recorded:  # the run record carries the config; written once, by the run's first save
@@ -146,13 +195,15 @@ class CheckpointManager:
         out: CheckpointInfo | SaveHandle
         if self.async_save:
             out = self.repo.save_async(self.run, step, tree, metrics=metrics, metadata=metadata,
-                                       trust_versions=self.trust_versions, overwrite=self._replaces(step))
+                                       trust_versions=self.trust_versions, overwrite=self._replaces(step),
+                                       progress=self.progress)
             self._pending = (out, step, self.clock() - start)  # booked once it is committed (_finish_pending)
             return out
         out = self.repo.save(self.run, step, tree, metrics=metrics, metadata=metadata,
-                             trust_versions=self.trust_versions, overwrite=self._replaces(step))
+                             trust_versions=self.trust_versions, overwrite=self._replaces(step), progress=self.progress)
         self._booked(step, self.clock() - start)
         self._check_saved(step, tree)
+        self._report(out)
         return out
 
     def _replaces(self, step: int) -> bool:
@@ -168,6 +219,19 @@ class CheckpointManager:
             self._warn_unlogged_metrics()
             # A KeepBest metric may be logged only later (evals every N steps): until then its rule keeps nothing.
             self.last_prune = self.repo.prune(self.run, self.retention, missing_metrics="ignore")
+
+    def _report(self, info: CheckpointInfo) -> None:
+        """A committed, checked save: ``last_save`` holds its figures, ``on_save`` gets them."""
+        self.last_save = report = SaveReport.from_info(info)
+        if self.on_save is None:
+            return
+        try:
+            self.on_save(report)
+        except Exception as exc:  # noqa: BLE001 - the save is committed: a failing callback must not undo that
+            logger.warning("run %r step %d: the on_save callback raised %r (the checkpoint is committed)",
+                           self.run, report.step, exc)
+            warnings.warn(f"run {self.run!r} step {report.step}: the on_save callback raised {exc!r}; the "
+                          "checkpoint is committed", stacklevel=4)
 
     def _warn_unlogged_metrics(self) -> None:
         """Warn once when a KeepBest rule names a metric close to, but not, one the loop logs (``Loss``/``loss``)."""
@@ -187,8 +251,12 @@ class CheckpointManager:
         try:
             self._finish_pending()
         finally:
-            if self._owns_repo:
-                self.repo.close()
+            try:
+                if self._journal is not None:  # a resume still undecided ends undecided (not enough steps)
+                    self._journal.close()
+            finally:
+                if self._owns_repo:
+                    self.repo.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -202,9 +270,10 @@ class CheckpointManager:
             return
         handle, step, cost = self._pending
         self._pending = None
-        handle.wait()  # a failed background save raises here: not booked, so last_saved_step stays true
+        info = handle.wait()  # a failed background save raises here: not booked, so last_saved_step stays true
         self._booked(step, cost)
         self._check_saved(step, None)
+        self._report(info)
 
     def _check_saved(self, step: int, tree: Any) -> None:
         """The cheap check after every save; every ``verify_every`` saves, a read-back of a sample of entries

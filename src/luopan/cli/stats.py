@@ -1,0 +1,238 @@
+"""``luopan stats``, ``check``, ``rm`` and ``latest`` (restic's stats/check/forget habits): what a repository holds
+and costs, whether its structure (and some or all of its data) is sound, removing a run or one checkpoint, and a
+run's newest step for scripts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ..checkpoint.checking import ALL, Subset, check as check_repo
+from ..checkpoint.kind import CHECKPOINTS
+from ..checkpoint.removal import remove
+from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
+from ..format.names import check_run
+from ..repository.verify import manifest_chunk_refs
+from .app import (
+    JsonOpt,
+    RepoOpt,
+    app,
+    emit_json,
+    err,
+    escape,
+    handles_errors,
+    human,
+    json_ratio,
+    not_found,
+    open_repo,
+    out,
+    ratio,
+    repo_location,
+    report_strays,
+    table,
+)
+
+
+@app.command()
+@handles_errors
+def stats(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[Optional[str], typer.Argument(help="Run to count; every run when omitted.")] = None,
+    top: Annotated[int, typer.Option("--top", min=0, max=1000, help="How many of the largest entries to list.")]
+    = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """Checkpoints, logical size (what restoring them all would write), stored size (the distinct chunks they
+    reference, as stored: compressed), dedup ratio, a per-run breakdown (with the bytes only that run references:
+    what `luopan rm RUN` then `luopan gc` would free) and the largest entries of each run's newest checkpoint."""
+    r = open_repo(repo_location(repo))
+    if run is not None:
+        check_run(run)
+    report_strays(r, run)
+    runs = [run] if run is not None else r.runs()
+    if run is not None and not r.steps(run):
+        raise typer.Exit(not_found(f"run {run!r} has no checkpoints"))
+    chunk_runs: dict[str, set[str]] = {}  # stored chunk -> runs referencing it
+    chunk_len: dict[str, int] = {}
+    per_run: list[dict[str, Any]] = []
+    largest: list[dict[str, Any]] = []
+    damaged: list[str] = []
+    for name in (r.runs() if run is not None else runs):  # exclusive bytes need every run's chunks
+        counted = name in runs
+        row = {"run": name, "checkpoints": 0, "logical_bytes": 0, "latest_step": None}
+        newest = None
+        for step in r.steps(name):
+            try:
+                m = r.manifest(name, step)
+                refs = list(manifest_chunk_refs(CHECKPOINTS, name, step, m.doc))
+            except (IntegrityError, UnsupportedFormatError, StorageError) as exc:
+                if counted:
+                    damaged.append(str(exc))
+                continue
+            for ref in refs:
+                key = f"{ref.hash}/{ref.pack}/{ref.offset}"
+                chunk_runs.setdefault(key, set()).add(name)
+                chunk_len[key] = ref.length
+            if counted:
+                row["checkpoints"] += 1
+                row["logical_bytes"] += m.stats["logical_bytes"]
+                row["latest_step"] = step
+                newest = m
+        if counted:
+            per_run.append(row)
+            if newest is not None:
+                largest += [{"run": name, "step": newest.step, "path": e["path"], "dtype": e["dtype"],
+                             "shape": list(e["shape"]), "nbytes": e["nbytes"]}
+                            for e in newest.entries if "alias_of" not in e]
+    for row in per_run:
+        mine = [k for k, users in chunk_runs.items() if row["run"] in users]
+        row["stored_bytes"] = sum(chunk_len[k] for k in mine)
+        row["exclusive_bytes"] = sum(chunk_len[k] for k in mine if len(chunk_runs[k]) == 1)
+        row["dedup_ratio"] = json_ratio(row["logical_bytes"] / row["stored_bytes"] if row["stored_bytes"]
+                                        else float("inf"))
+    selected = [k for k, users in chunk_runs.items() if users & set(runs)]
+    logical = sum(row["logical_bytes"] for row in per_run)
+    stored = sum(chunk_len[k] for k in selected)
+    largest = sorted(largest, key=lambda e: (-e["nbytes"], e["run"], e["path"]))[:top]
+    doc: dict[str, Any] = {"run": run, "checkpoints": sum(row["checkpoints"] for row in per_run),
+                           "logical_bytes": logical, "stored_bytes": stored, "chunks": len(selected),
+                           "dedup_ratio": json_ratio(logical / stored if stored else float("inf")),
+                           "runs": per_run, "largest_entries": largest, "damaged": damaged}
+    if run is None:
+        doc["repository"] = r.du()
+    if as_json:
+        emit_json(doc)
+        if damaged:
+            raise typer.Exit(3)
+        return
+    what = f"run {run}" if run is not None else r.store.describe()
+    out.print(f"{what}: {doc['checkpoints']} checkpoint(s), {human(logical)} logical, {human(stored)} stored in "
+              f"{len(selected)} distinct chunk(s) ({ratio(logical / stored if stored else float('inf'))} dedup)",
+              highlight=False)
+    if run is None:
+        d = doc["repository"]
+        out.print(f"on storage: {human(d['physical_bytes'])} (packs {human(d['pack_bytes'])}, index "
+                  f"{human(d['index_bytes'])}, manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])})"
+                  + (f"; {d['artifacts']} artifact version(s)" if d.get("artifacts") else ""), highlight=False)
+    if per_run:
+        t = table(title="per run")
+        for col in ("run", "checkpoints", "latest step", "logical", "stored", "only this run", "dedup"):
+            t.add_column(col, justify="left" if col == "run" else "right")
+        for row in per_run:
+            t.add_row(escape(row["run"]), str(row["checkpoints"]), str(row["latest_step"]),
+                      human(row["logical_bytes"]), human(row["stored_bytes"]), human(row["exclusive_bytes"]),
+                      "∞" if row["dedup_ratio"] is None else f"{row['dedup_ratio']:.1f}×")
+        out.print(t)
+    if largest:
+        t = table(title="largest entries (newest checkpoint of each run)")
+        for col in ("run", "step", "entry", "dtype", "shape", "bytes"):
+            t.add_column(col, justify="right" if col in ("step", "bytes") else "left")
+        for e in largest:
+            t.add_row(escape(e["run"]), str(e["step"]), escape(e["path"]), e["dtype"], str(tuple(e["shape"])),
+                      human(e["nbytes"]))
+        out.print(t)
+    if damaged:
+        for why in damaged:
+            err.print(f"[bold red]DAMAGED[/] {escape(why)}", highlight=False)
+        err.print(f"[bold red]{len(damaged)} damaged checkpoint(s)[/] not counted; `luopan check` for details")
+        raise typer.Exit(3)
+
+
+@app.command()
+@handles_errors
+def check(
+    *,
+    repo: RepoOpt = None,
+    read_data_subset: Annotated[Optional[str], typer.Option(
+        "--read-data-subset", metavar="PCT|N/M",
+        help="Also read and hash-check part of the data: a random percentage of the chunks (10%, 0.5%), or group N "
+             "of M groups of packs (1/5 … 5/5 together cover everything).")] = None,
+    read_data: Annotated[bool, typer.Option("--read-data", help="Also read and hash-check every chunk (as "
+                                            "`luopan verify`).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check the repository's structure: every manifest parses and validates, every pack it names exists with an
+    intact trailer listing its chunks, index files parse and name existing packs, records, refs and pins parse and
+    point at committed manifests. Data is read only when asked. Exit 3 naming every problem."""
+    if read_data and read_data_subset is not None:
+        raise UsageError("give --read-data (everything) or --read-data-subset (a part), not both")
+    subset = ALL if read_data else Subset.parse(read_data_subset) if read_data_subset is not None else None
+    r = open_repo(repo_location(repo))
+    if subset is None or as_json:
+        rep = check_repo(r, subset)
+    else:
+        with Progress(TextColumn("reading data"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("check", total=None)
+            rep = check_repo(r, subset, progress=lambda n: bar.advance(task, n),
+                             on_total=lambda n: bar.update(task, total=n))
+    if as_json:
+        emit_json(rep.to_json())
+    else:
+        for p in rep.problems:
+            err.print(f"[bold red]DAMAGED[/] {escape(str(p))}", highlight=False)
+        data = ("structure only (--read-data-subset 10% or --read-data also reads the data)" if subset is None else
+                f"{rep.chunks_read} of {rep.chunks} chunk(s) read and hash-checked ({human(rep.bytes_read)}, "
+                f"{'all' if subset is ALL else subset.text})")
+        summary = (f"{rep.manifests} manifest(s), {rep.packs} pack(s), {rep.chunks} chunk(s), {rep.index_files} "
+                   f"index file(s); {data}")
+        if rep.problems:
+            err.print(f"[bold red]{len(rep.problems)} problem(s) found[/] in {summary}", highlight=False)
+        else:
+            out.print(f"[green]ok[/]: {summary}", highlight=False)
+    if rep.problems:
+        raise typer.Exit(3)
+
+
+@app.command("rm")
+@handles_errors
+def rm(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[str, typer.Argument(help="Run to remove (every checkpoint, its record and evals), or whose "
+                                            "checkpoint --step to remove.")],
+    step: Annotated[Optional[int], typer.Option("--step", min=0, help="Remove only this checkpoint.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Remove pinned checkpoints too (and their pins).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove a run, or one checkpoint of it (--step). Pinned checkpoints are refused unless --force. Removal
+    deletes manifests (the run's `latest` ref stays pointing at a checkpoint that exists); the data only they used
+    is freed by a later `luopan gc`. Safe to interrupt: run it again to finish."""
+    r = open_repo(repo_location(repo))
+    done = remove(r, run, step, force=force, dry_run=dry_run)
+    if as_json:
+        emit_json(done.to_json())
+        return
+    verb = "would remove" if dry_run else "removed"
+    steps = ", ".join(map(str, done.steps[:20])) + (" …" if len(done.steps) > 20 else "")
+    what = (f"run {run} ({len(done.steps)} checkpoint(s){': steps ' + steps if done.steps else ''})"
+            if done.whole_run else f"{run} step {step}")
+    pinned = f", {len(done.pinned)} of them pinned (--force)" if done.pinned else ""
+    out.print(f"{verb} {what}{pinned}", highlight=False)
+    if dry_run:
+        out.print("dry run: nothing removed", highlight=False)
+    else:
+        out.print("the data only they used is freed by a later `luopan gc`", highlight=False)
+
+
+@app.command()
+@handles_errors
+def latest(
+    *,
+    repo: RepoOpt = None,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Print the newest committed step of RUN (for scripts: STEP=$(luopan latest RUN)); exit 4 if it has none."""
+    r = open_repo(repo_location(repo))
+    steps = r.steps(run)
+    if not steps:
+        raise typer.Exit(not_found(r._no_checkpoint(run)))
+    if as_json:
+        emit_json({"run": run, "step": steps[-1], "checkpoints": len(steps)})
+        return
+    out.print(str(steps[-1]), highlight=False)
