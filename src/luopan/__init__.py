@@ -75,7 +75,8 @@ __version__ = "0.1.0"
 
 # Modules reached as luopan.<name> on first use (most import optional or heavy packages: torch, peft, transformers,
 # faiss, langgraph).
-_LAZY = ("torch", "patch", "channel", "signing", "peft", "hf", "dcp", "lightning", "journal", "index", "langgraph")
+_LAZY = ("torch", "patch", "channel", "signing", "peft", "hf", "dcp", "lightning", "journal", "index", "langgraph",
+         "doctor")
 
 
 def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)

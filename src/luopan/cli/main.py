@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import inspect, read, maintain, artifact, tier, plan, keys, channel  # noqa: F401,I001  (each registers its commands on app, in --help order)
 from . import patch  # noqa: F401,I001  (luopan patch create|apply)
 from . import index  # noqa: F401,I001  (luopan index ls|rollback)
+from . import doctor  # noqa: F401,I001  (luopan doctor)
 from . import stats  # noqa: F401,I001  (luopan stats|check|rm|latest)
 from .app import app
 
