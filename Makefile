@@ -18,13 +18,19 @@ setup: $(BIN)/python
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# System packages the tests need: nginx (real HTTP Range downloads of update channels). Installed with apt when
+# System packages the tests need: nginx (real HTTP Range downloads of update channels), chromium and
+# chromium-driver (luopan report's page in a real browser). Installed with apt when
 # missing and running as root (CI); otherwise a note, and those tests say why they skip.
 system-deps:
 	@if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; \
 	  else echo "note: nginx is missing (apt-get install nginx-light): the update-channel tests will skip"; fi; \
+	fi
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	  else echo "note: chromium or chromedriver is missing (apt-get install chromium chromium-driver): the report browser tests will skip"; fi; \
 	fi
 
 test: setup system-deps

@@ -13,6 +13,7 @@ from . import patch  # noqa: F401,I001  (luopan patch create|apply)
 from . import index  # noqa: F401,I001  (luopan index ls|rollback)
 from . import doctor  # noqa: F401,I001  (luopan doctor)
 from . import stats  # noqa: F401,I001  (luopan stats|check|rm|latest)
+from . import report  # noqa: F401,I001  (luopan report)
 from .app import app
 
 
