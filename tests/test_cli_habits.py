@@ -124,7 +124,20 @@ def test_check_finds_missing_pack_dangling_pin_and_ref(repo):
     messages = [p["message"] for p in bad["problems"]]
     assert any(p["type"] == "MissingPackError" for p in bad["problems"]), messages
     assert any("protects run 'a' step 10, which is not committed" in m for m in messages), messages
-    assert any("names step 30 of run 'a', which is not committed" in m for m in messages), messages
+    # a stale latest ref is not damage (docs/format.md §9: readers ignore it, the next save repairs it): a note
+    assert not any("names step 30" in m for m in messages), messages
+    assert any("names step 30 of run 'a', which is not committed: a stale ref" in n for n in bad["notes"])
+
+
+def test_check_calls_a_stale_ref_a_note_not_damage(repo):
+    with luopan.open(repo, create=False) as r:
+        r.save("a", 25, {"w": np.zeros(3)})  # committed last: the ref names 25, below the newest (30)
+        r.prune("a", luopan.retention.KeepLast(1))  # keeps 30, removes 25: the ref is stale, as §9 allows
+        assert r.steps("a") == [30]
+    good = as_json("check", "-r", repo, code=0)
+    assert good["ok"] is True and good["problems"] == [] and len(good["notes"]) == 1
+    res = cli("check", "-r", repo, code=0)
+    assert "note: ref" in res.output and "stale ref" in res.output and "DAMAGED" not in res.output
 
 
 def test_check_usage_errors(repo):
@@ -195,6 +208,11 @@ def test_ls_best_and_latest(repo):
     res = cli("ls", "-r", repo, "a", "--best", "Loss", code=2)
     assert "recorded: acc, loss" in res.output
     cli("ls", "-r", repo, "a", "--best", "loss:median", code=2)
+    with luopan.open(repo, create=False) as r:  # a metric name with a colon: the order suffix is the last part
+        for step, v in ((1, 0.5), (2, 0.25), (3, 0.75)):
+            r.save("c", step, {"w": np.zeros(2)}, metrics={"eval:loss": v})
+    assert cli("ls", "-r", repo, "c", "--best", "eval:loss").stdout.split()[0] == "2"
+    assert cli("ls", "-r", repo, "c", "--best", "eval:loss:max").stdout.split()[0] == "3"
     cli("ls", "-r", repo, "--best", "loss", code=2)
     cli("ls", "-r", repo, "nope", "--best", "loss", code=4)
     assert cli("latest", "-r", repo, "a").stdout == "30\n"

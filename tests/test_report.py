@@ -317,3 +317,24 @@ def test_module_runs_as_script_entry(child_env):
     out = subprocess.run([sys.executable, "-m", "luopan.cli.main", "report", "--help"], capture_output=True, text=True,
                          env=child_env, timeout=60)
     assert out.returncode == 0 and "--serve" in out.stdout
+
+
+def test_write_report_never_replaces_what_is_not_a_regular_file(known, tmp_path):
+    """-o /dev/null (or a FIFO, a directory) is refused rather than replaced by a rename; through a symlink, the
+    file it points at is written and the link stays."""
+    repo = luopan.open(known, create=False)
+    try:
+        for bad in ("/dev/null", str(tmp_path)):
+            with pytest.raises(luopan.UsageError, match="not a regular file"):
+                write_report(repo, bad)
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(luopan.UsageError, match="not a regular file"):
+            write_report(repo, tmp_path / "fifo")
+        target = tmp_path / "real.html"
+        target.write_text("old")
+        (tmp_path / "link.html").symlink_to(target)
+        write_report(repo, tmp_path / "link.html")
+        assert (tmp_path / "link.html").is_symlink() and target.read_text().startswith("<!DOCTYPE html>")
+    finally:
+        repo.close()
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")

@@ -165,3 +165,88 @@ def test_list_resumes_needs_no_torch(repo_path, child_env):
             f"print(list_resumes({str(repo_path)!r}, 'run')); assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_step_logged_several_times_is_compared_by_its_last_values(repo):
+    """Gradient accumulation logs a step once per micro-batch: both runs are compared on the step's last values."""
+    j = RunJournal(repo, "acc", ResumeCheck())
+    j.resumed(0, 0.0)
+    for s in range(1, 21):
+        for micro in range(4):
+            j.log(s, {"loss": float(s * 10 + micro)})
+    j.close()
+    j = RunJournal(repo, "acc", ResumeCheck())
+    j.resumed(10, 0.0)
+    for s in range(11, 21):
+        for micro in range(4):
+            j.log(s, {"loss": float(s * 10 + micro)})
+    j.close()
+    [r] = list_resumes(repo, "acc")
+    assert (r["matched"], r["first_divergent_step"], r["steps_compared"]) == (True, None, 10)
+
+
+def test_by_default_only_losses_are_compared_when_a_step_has_one(repo):
+    j = RunJournal(repo, "t", ResumeCheck())
+    j.resumed(0, 0.0)
+    for s in range(1, 9):
+        j.log(s, {"loss": float(s), "step_time": 0.1 * s, "lr": 0.01})
+    j.close()
+    j = RunJournal(repo, "t", ResumeCheck())
+    j.resumed(4, 0.0)
+    for s in range(5, 9):
+        j.log(s, {"loss": float(s), "step_time": 7.0 + s, "lr": 0.02})  # wall-clock and lr differ, the loss does not
+    j.close()
+    j = RunJournal(repo, "t", ResumeCheck(metrics=("loss", "lr")))  # named metrics: exactly those
+    with pytest.warns(UserWarning, match=r"diverged .* at step 7 \(lr"):
+        j.resumed(6, 0.0)
+        for s in range(7, 9):
+            j.log(s, {"loss": float(s), "lr": 0.5})
+        j.close()
+    assert [(r["matched"], r["first_divergent_step"]) for r in list_resumes(repo, "t")] == [(True, None), (False, 7)]
+
+
+def test_a_damaged_metrics_journal_or_odd_metrics_never_fail_the_loop(repo, monkeypatch):
+    from luopan.checkpoint import resumes
+    from luopan.errors import CorruptJournalError
+
+    j = RunJournal(repo, "d", ResumeCheck())
+    j.resumed(0, 0.0)
+    for s in range(1, 30):
+        j.log(s, {"loss": float(s), "note": "bad\udc80"})  # a lone surrogate: left out of the record, no error
+    j.close()
+    # A journal that reads as damaged (what walscan raises for a segment damaged before durable records): the
+    # restore goes on without the check, and later logs raise nothing.
+    def damaged(*_a, **_k):
+        raise CorruptJournalError("journal segment x is damaged at offset 40")
+
+    monkeypatch.setattr(resumes, "_logged_after", damaged)
+    j = RunJournal(repo, "d", ResumeCheck())
+    with pytest.warns(UserWarning, match="resume check is off, its metrics journal cannot be read"):
+        j.resumed(10, 0.0)
+    j.log(11, {"loss": 11.0})
+    j.close()
+    monkeypatch.setattr(type(repo), "journal", damaged)  # and one that cannot even be opened
+    j = RunJournal(repo, "d2", ResumeCheck())
+    with pytest.warns(UserWarning, match="resume check is off, its metrics journal cannot be written"):
+        j.log(1, {"loss": 1.0})
+    j.resumed(5, 0.0)
+    j.log(6, {"loss": 6.0})
+    j.close()
+
+
+def test_rm_of_a_run_removes_its_resume_journals(repo):
+    """`luopan rm RUN` takes the run's metrics and resumes journals with it: a new run of that name starts clean."""
+    from luopan.checkpoint.removal import remove
+
+    start, _ = _life(repo, 25)
+    _life(repo, 30)
+    assert len(list_resumes(repo, "run")) == 1
+    journals = os.path.join(repo.store.root, "journals")
+    assert sorted(os.listdir(journals)) == ["metrics-run", "resumes-run"]
+    dry = remove(repo, "run", dry_run=True)
+    done = remove(repo, "run")
+    assert done.files == dry.files > 0
+    assert list_resumes(repo, "run") == []
+    assert [f for _root, _dirs, files in os.walk(journals) for f in files] == []  # (empty directories may stay)
+    start, _ = _life(repo, 12)  # a new run of the same name: nothing to resume, nothing compared
+    assert start == 0 and list_resumes(repo, "run") == []

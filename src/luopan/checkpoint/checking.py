@@ -91,12 +91,14 @@ class CheckReport:
     chunks_read: int = 0
     bytes_read: int = 0
     problems: list[LuopanError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # not damage: e.g. a stale latest ref (readers ignore it, §9)
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": not self.problems, "manifests": self.manifests, "packs": self.packs, "chunks": self.chunks,
                 "index_files": self.index_files, "read_data": self.subset, "chunks_read": self.chunks_read,
                 "bytes_read": self.bytes_read,
-                "problems": [{"type": type(p).__name__, "message": str(p)} for p in self.problems]}
+                "problems": [{"type": type(p).__name__, "message": str(p)} for p in self.problems],
+                "notes": list(self.notes)}
 
 
 def check(repo: Any, subset: Subset | None = None, *, progress: Callable[[int], Any] | None = None,
@@ -136,7 +138,7 @@ def check(repo: Any, subset: Subset | None = None, *, progress: Callable[[int], 
     for pack in sorted(by_pack):
         problems += _pack_problems(store, pack, by_pack[pack])
     problems += _index_problems(store, rep)
-    problems += _ref_and_pin_problems(repo, committed)
+    problems += _ref_and_pin_problems(repo, committed, rep.notes)
     if subset is not None:
         chosen = subset.pick(sorted(refs.values(), key=lambda r: (r.pack, r.offset)))
         rep.chunks_read = len(chosen)
@@ -196,7 +198,7 @@ def _index_problems(store: Any, rep: CheckReport) -> list[LuopanError]:
     return found
 
 
-def _ref_and_pin_problems(repo: Any, committed: dict[Any, dict[str, set[int]]]) -> list[Exception]:
+def _ref_and_pin_problems(repo: Any, committed: dict[Any, dict[str, set[int]]], notes: list[str]) -> list[Exception]:
     """Each run's record, evals, pins and ref parse; pins (of every kind) and refs name committed manifests."""
     store = repo.store
     found: list[Exception] = []
@@ -213,8 +215,8 @@ def _ref_and_pin_problems(repo: Any, committed: dict[Any, dict[str, set[int]]]) 
                 found.append(CorruptRepoError(f"ref {key} belongs to run {run!r}, which has no checkpoint"))
             continue
         if ref["step"] not in committed.get(CHECKPOINTS, {}).get(run, set()):
-            found.append(CorruptRepoError(f"ref {key} names step {ref['step']} of run {run!r}, which is not "
-                                          "committed"))
+            notes.append(f"ref {key} names step {ref['step']} of run {run!r}, which is not committed: a stale ref, "
+                         "ignored by readers (the manifests decide) and repaired by the run's next save")
     for kind in repo.kinds:
         root = pin_prefix(kind, "\x00").split("\x00", 1)[0]
         series_seen = {k[len(root):].rsplit("/", 1)[0] for k in store.list(root) if "/" in k[len(root):]}

@@ -30,6 +30,7 @@ from ..format.names import (
 from ..format.refs import build_ref, parse_ref
 from ..repository.locks import locked
 from ..store.base import KeyNotFound
+from .runjournals import METRICS, RESUMES, journal_name
 
 
 @dataclass
@@ -65,10 +66,13 @@ def remove(repo: Any, run: str, step: int | None = None, *, force: bool = False,
 
 
 def _run_files(store: Any, run: str) -> list[str]:
-    """Keys of the run's own files besides its manifests and pins: record, eval logs, ref, signatures."""
+    """Keys of the run's own files besides its manifests and pins: record, eval logs, ref, signatures, and the
+    files of its metrics and resumes journals (the resume check's)."""
     keys = [k for k in (record_key(run), latest_ref_key(run)) if store.exists(k)]
     keys += list(store.list(eval_prefix(run)))
     keys += list(store.list(f"refs/signatures/{run}/"))
+    for prefix in (METRICS, RESUMES):  # the resume check's journals of the run (luopan.checkpoint.resumes)
+        keys += list(store.list(f"journals/{journal_name(prefix, run)}/"))
     return keys
 
 
@@ -100,6 +104,7 @@ def _remove(repo: Any, run: str, step: int | None, force: bool, dry_run: bool) -
     if step is not None:
         _remove_step(repo, run, step, remaining)
         return result
+    planned = len(_run_files(store, run))  # counted as the dry run counts them (the ref goes before the rest)
     for s in sorted(pins):  # every pin of the run, also of steps whose manifest is already gone
         _delete(store, pin_key(run, s))
     for s in targets[:-1]:  # oldest first; the ref names the newest, which goes last
@@ -110,7 +115,7 @@ def _remove(repo: Any, run: str, step: int | None, force: bool, dry_run: bool) -
     files = _run_files(store, run)
     for key in files:  # the record and eval logs last: while they exist, `rm RUN` again finds the run
         _delete(store, key)
-    result.files = len(files)
+    result.files = planned
     return result
 
 

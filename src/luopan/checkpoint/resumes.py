@@ -19,24 +19,24 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-import blake3
-
 from ..errors import JournalBusyError, LuopanError, UsageError
 from .progress import logger
+from .runjournals import METRICS, RESUMES, journal_name
 
 if TYPE_CHECKING:  # a kind imports no other kind: journals are opened through the Repo (``repo.journal``)
     from ..journal.api import Journal
     from ..repo import Repo
 
-METRICS, RESUMES = "metrics-", "resumes-"
 KEYS = ("step", "time", "restore_seconds", "matched", "first_divergent_step", "steps_compared")
 
 
 @dataclass(frozen=True)
 class ResumeCheck:
     """How a resume is checked: the first ``steps`` steps after the restored one are compared with the interrupted
-    run's, metric by metric (``metrics``: the names to compare; default every metric both runs report for a step).
-    Numbers agree when ``|resumed - original| <= atol + rtol * |original|`` (default 0 and 0: bit-for-bit, for a
+    run's, metric by metric (``metrics``: the names to compare; by default the metrics whose name contains "loss"
+    when a step has any — what a person compares by hand after a recovery; wall-clock figures such as step times or
+    throughput never match — and otherwise every metric both runs report for the step). A step is compared with the
+    last value logged for it, in both runs (gradient accumulation logs a step several times). Numbers agree when ``|resumed - original| <= atol + rtol * |original|`` (default 0 and 0: bit-for-bit, for a
     deterministic run; NaN agrees with NaN); other values when equal."""
 
     steps: int = 20
@@ -59,13 +59,6 @@ class ResumeCheck:
         if math.isnan(a) or math.isnan(b):
             return math.isnan(a) and math.isnan(b)
         return a == b or abs(b - a) <= self.atol + self.rtol * abs(a)
-
-
-def journal_name(prefix: str, run: str) -> str:
-    """``prefix + run``, or, when that is longer than a journal name may be, ``prefix``, the run's first 100
-    characters, ``-`` and 16 hex digits of the BLAKE3 of the run name."""
-    name = prefix + run
-    return name if len(name) <= 128 else f"{prefix}{run[:100]}-{blake3.blake3(run.encode()).hexdigest()[:16]}"
 
 
 def _number(v: Any) -> float | None:
@@ -92,9 +85,33 @@ def json_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
                 continue
         if isinstance(v, float) and not math.isfinite(v):
             v = "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+        if isinstance(v, str) and not _encodable(v):  # lone surrogates: not JSON text a journal can hold
+            continue
         if v is None or isinstance(v, (bool, int, float, str)):
             out[k] = v
     return out
+
+
+def _encodable(v: str) -> bool:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def compared_names(check_metrics: tuple[str, ...] | None, original: dict[str, Any], values: dict[str, Any]
+                   ) -> list[str]:
+    """The metrics of a step that a resume compares (see ResumeCheck.metrics)."""
+    if check_metrics is not None:
+        return [k for k in check_metrics if k in values and k in original]
+    shared = [k for k in values if k in original]
+    losses = [k for k in shared if "loss" in k.lower()]
+    return losses or shared
+
+
+# What journaling may raise that must never reach the training loop: the check is context, not state.
+_JOURNAL_ERRORS = (OSError, LuopanError, ValueError, TypeError)
 
 
 def list_resumes(repo: Repo | str | os.PathLike[str], run: str) -> list[dict[str, Any]]:
@@ -139,12 +156,13 @@ class RunJournal:
         self._expected: dict[int, dict[str, Any]] = {}  # step -> the interrupted run's metrics, while undecided
         self._compared: set[int] = set()
         self._resume: tuple[int, int] | None = None  # (seq of the resume record, step resumed from), while undecided
+        self._pending: tuple[int, dict[str, Any]] | None = None  # the step being logged (compared once it is done)
 
     def _journal(self) -> Journal | None:
         if self._metrics is None and not self._off:
             try:
                 self._metrics = self.repo.journal(journal_name(METRICS, self.run), "batch")
-            except (UsageError, JournalBusyError, OSError) as exc:
+            except (UsageError, JournalBusyError, *_JOURNAL_ERRORS) as exc:  # e.g. a damaged journal
                 self._off = True
                 warnings.warn(f"run {self.run!r}: the resume check is off, its metrics journal cannot be written "
                               f"({exc}); pass resume_check=False to say so", stacklevel=4)
@@ -159,11 +177,16 @@ class RunJournal:
         if j is not None:
             try:
                 j.append({"step": step, "metrics": values})
-            except (OSError, LuopanError) as exc:  # context, not state: never fail the training step for it
+            except _JOURNAL_ERRORS as exc:  # context, not state: never fail the training step for it
                 self._off = True
                 warnings.warn(f"run {self.run!r}: metrics journal failed ({exc}); the resume check is off", stacklevel=3)
         if self._resume is not None:
-            self._compare(step, values)
+            if self._pending is not None and self._pending[0] == step:
+                self._pending[1].update(values)  # the same step again: its last values count
+                return
+            done, self._pending = self._pending, (step, dict(values))
+            if done is not None:
+                self._compare(*done)
 
     def resumed(self, step: int, restore_seconds: float) -> None:
         """``restore()`` resumed the run from ``step`` (0: a new run): read what the interrupted run logged after it,
@@ -172,16 +195,20 @@ class RunJournal:
         j = self._journal()
         if j is None:
             return
-        original = _logged_after(j, step) if step else {}  # step 0: a new run, nothing to compare with
         try:
+            original = _logged_after(j, step) if step else {}  # step 0: a new run, nothing to compare with
             j.append({"resumed_from": step})  # the records after ``step`` before this belong to the interrupted run
-        except (OSError, LuopanError):
-            pass
+        except _JOURNAL_ERRORS as exc:  # a damaged or unreadable journal: no check, never a failed restore
+            self._off = True
+            warnings.warn(f"run {self.run!r}: the resume check is off, its metrics journal cannot be read ({exc})",
+                          stacklevel=3)
+            return
         if step == 0:
             return
         window = sorted(original)[: self.check.steps]
         self._expected = {s: original[s] for s in window}
         self._compared = set()
+        self._pending = None
         record = {"step": step, "time": datetime.now(timezone.utc).isoformat(),
                   "restore_seconds": round(restore_seconds, 6), "window": self.check.steps,
                   "rtol": self.check.rtol, "atol": self.check.atol}
@@ -193,7 +220,7 @@ class RunJournal:
     def _compare(self, step: int, values: dict[str, Any]) -> None:
         if step in self._expected:
             original = self._expected[step]
-            names = [k for k in (self.check.metrics or values) if k in values and k in original]
+            names = compared_names(self.check.metrics, original, values)
             for k in names:
                 if not self.check.agree(original[k], values[k]):
                     self._decide(False, step, f"{k}: {values[k]!r} after the resume, {original[k]!r} originally")
@@ -209,7 +236,7 @@ class RunJournal:
     def _decide(self, matched: bool | None, first: int | None, detail: str | None) -> None:
         assert self._resume is not None
         seq, step = self._resume
-        self._resume, self._expected = None, {}
+        self._resume, self._expected, self._pending = None, {}, None
         self._append_resume({"of": seq, "matched": matched, "first_divergent_step": first,
                              "steps_compared": len(self._compared) + (first is not None), "detail": detail})
         where = f"run {self.run!r} resumed from step {step}"
@@ -225,6 +252,9 @@ class RunJournal:
 
     def decide_pending(self) -> None:
         """A resume still undecided when the loop stops (or restores again) ends undecided: not enough steps."""
+        if self._resume is not None and self._pending is not None:
+            done, self._pending = self._pending, None
+            self._compare(*done)  # the last step logged is complete now
         if self._resume is not None:
             self._decide(None, None, f"the run stopped after {len(self._compared)} of the {len(self._expected)} "
                          "steps to compare (those agreed)" if self._compared
@@ -234,7 +264,7 @@ class RunJournal:
         try:
             with self.repo.journal(journal_name(RESUMES, self.run), "always") as j:
                 return j.append(record)
-        except (OSError, LuopanError) as exc:
+        except (JournalBusyError, *_JOURNAL_ERRORS) as exc:
             warnings.warn(f"run {self.run!r}: the resume could not be recorded ({exc})", stacklevel=4)
             return None
 
@@ -243,7 +273,10 @@ class RunJournal:
             self.decide_pending()
         finally:
             if self._metrics is not None:
-                self._metrics.close()
+                try:
+                    self._metrics.close()
+                except _JOURNAL_ERRORS as exc:
+                    warnings.warn(f"run {self.run!r}: the metrics journal did not close cleanly ({exc})", stacklevel=3)
                 self._metrics = None
 
 

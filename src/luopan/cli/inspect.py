@@ -123,8 +123,10 @@ def ls(
 def _best(r: Repo, run: str, best: str, as_json: bool) -> None:
     """`ls RUN --best METRIC[:min|max]`: the checkpoint with the lowest (highest) numeric value of METRIC, the
     newest among equals; a metric no checkpoint records is a usage error listing those recorded."""
-    metric, _, order = best.partition(":")
-    if not metric or order not in ("", "min", "max"):
+    metric, sep, order = best.rpartition(":")  # a metric name may hold colons (eval:loss); the order ends it
+    if not sep or order not in ("min", "max"):
+        metric, order = best, ""
+    if not metric:
         raise UsageError(f"--best takes METRIC, METRIC:min or METRIC:max (e.g. loss, accuracy:max), got {best!r}")
     cps, damaged = _checkpoints(r, run)
     if not cps and not damaged:

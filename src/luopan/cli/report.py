@@ -63,7 +63,7 @@ def report(
                   f"checkpoint(s), {summary['pruned']} pruned, {summary['artifact_versions']} artifact version(s), "
                   f"{summary['charts']} chart(s)", highlight=False)
         return
-    server = ReportServer(lambda: open_repo(location), targets, port=port)
+    server = ReportServer(lambda: open_repo(location), targets, port=port)  # opened once, at the first request
     if as_json:
         emit_json({"url": server.url, "serving": True})
     else:

@@ -161,7 +161,7 @@ def check(
         raise UsageError("give --read-data (everything) or --read-data-subset (a part), not both")
     subset = ALL if read_data else Subset.parse(read_data_subset) if read_data_subset is not None else None
     r = open_repo(repo_location(repo))
-    if subset is None or as_json:
+    if subset is None or as_json or not err.is_terminal:  # a bar only where someone watches it
         rep = check_repo(r, subset)
     else:
         with Progress(TextColumn("reading data"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -174,6 +174,8 @@ def check(
     else:
         for p in rep.problems:
             err.print(f"[bold red]DAMAGED[/] {escape(str(p))}", highlight=False)
+        for note in rep.notes:
+            out.print(f"note: {escape(note)}", highlight=False)
         data = ("structure only (--read-data-subset 10% or --read-data also reads the data)" if subset is None else
                 f"{rep.chunks_read} of {rep.chunks} chunk(s) read and hash-checked ({human(rep.bytes_read)}, "
                 f"{'all' if subset is ALL else subset.text})")

@@ -11,6 +11,7 @@ from html import escape
 from typing import Any
 
 from .. import __version__
+from ..errors import UsageError
 from .gather import ReportData, gather
 from .html import slug
 from .repository import artifacts_section, overview, snapshots_section, storage_section
@@ -148,8 +149,10 @@ def summary(data: ReportData, page: str) -> dict[str, Any]:
 def write_report(repo: Any, path: str | os.PathLike[str], targets: list[str] | None = None) -> dict[str, Any]:
     """Write the report of ``repo`` to ``path`` (atomically: a temporary file renamed into place); returns a summary
     (path, counts). The repository is only read."""
+    path = os.path.realpath(os.path.abspath(os.fspath(path)))  # through a symlink: its target is replaced
+    if os.path.exists(path) and not os.path.isfile(path):  # a directory, a device (/dev/null), a FIFO: not replaced
+        raise UsageError(f"{path} exists and is not a regular file: give a file name for the report (report.html)")
     page, data = build_report(repo, targets)
-    path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=".luopan-report-", suffix=".tmp", dir=directory)
     try:

@@ -1,6 +1,7 @@
 """``luopan report --serve``: the report page on 127.0.0.1, generated afresh for every request (the standard
 library's threading HTTP server). The served page polls ``/state`` and reloads when the repository changed, so it
-follows runs while they save. Each request opens the repository, reads it and closes it; nothing is written."""
+follows runs while they save. The repository is opened once (``opener()``, at the first request), read afresh for
+every page and state poll, one request at a time, and closed with the server; nothing is written."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from .page import build_report, state_token
 
 
 class ReportServer:
-    """Serves the report of the repository ``opener()`` returns (called per request) on ``host:port`` (port 0:
-    a free one). ``start()`` runs it in a daemon thread; ``serve_forever()`` in the caller's; ``close()`` stops."""
+    """Serves the report of the repository ``opener()`` returns (called once, at the first request) on
+    ``host:port`` (port 0: a free one). ``start()`` runs it in a daemon thread; ``serve_forever()`` in the caller's;
+    ``close()`` stops it and closes the repository."""
 
     def __init__(self, opener: Callable[[], Any], targets: list[str] | None = None, *, host: str = "127.0.0.1",
                  port: int = 0, poll_ms: int = 3000) -> None:
@@ -25,6 +27,8 @@ class ReportServer:
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self._repo: Any = None
+        self._lock = threading.Lock()  # one reader of the repository at a time
 
     @property
     def url(self) -> str:
@@ -44,6 +48,10 @@ class ReportServer:
             self.httpd.shutdown()
             self._thread.join(10)
         self.httpd.server_close()
+        with self._lock:
+            if self._repo is not None:
+                self._repo.close()
+                self._repo = None
 
     def __enter__(self) -> ReportServer:
         return self
@@ -51,20 +59,19 @@ class ReportServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _opened(self) -> Any:
+        if self._repo is None:
+            self._repo = self.opener()
+        return self._repo
+
     def page(self) -> str:
-        repo = self.opener()
-        try:
-            page, _data = build_report(repo, self.targets, served=True)
+        with self._lock:
+            page, _data = build_report(self._opened(), self.targets, served=True)
             return page
-        finally:
-            repo.close()
 
     def token(self) -> str:
-        repo = self.opener()
-        try:
-            return state_token(repo)
-        finally:
-            repo.close()
+        with self._lock:
+            return state_token(self._opened())
 
 
 def _handler(server: ReportServer) -> type[BaseHTTPRequestHandler]:
