@@ -155,7 +155,7 @@ def test_low_free_space_names_what_gc_and_prune_would_free(tmp_path):
     with luopan.open(repo) as r:
         r.save("a", 3, {"w": np.arange(20000, dtype=np.float32) + 2})
     (f,) = [f for f in luopan.doctor.run_checks(repo, free_bytes=lambda s: 10) if f.check == "space"]
-    assert f.status == "warn" and "pruning all but the newest" in f.fix and "`luopan prune RUN --keep-last N`" in f.fix
+    assert f.status == "warn" and "pruning every checkpoint except the newest" in f.fix and "`luopan prune RUN --keep-last N`" in f.fix
 
 
 # -- locks and clocks -----------------------------------------------------------------------------------------------

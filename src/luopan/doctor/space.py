@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ..errors import LuopanError
-from ..repository.preflight import OVERHEAD, reclaimable
+from ..repository.preflight import OVERHEAD, freeing_hints, reclaimable
 from ..units import format_bytes
 from .context import Context
 from .finding import Finding, ok, warn
@@ -39,12 +39,7 @@ def _how_to_free(ctx: Context) -> str:
         gc_frees, prune_frees = reclaimable(ctx.repo)
     except (LuopanError, OSError):
         gc_frees = prune_frees = 0
-    ways = []
-    if gc_frees:
-        ways.append(f"{ctx.command('gc --grace 0')} would free {format_bytes(gc_frees)} now")
-    if prune_frees:
-        ways.append(f"pruning all but the newest (and pinned) checkpoints of each run, then gc, up to "
-                    f"{format_bytes(prune_frees)} more (`luopan prune RUN --keep-last N`)")
+    ways = freeing_hints(gc_frees, prune_frees, ctx.where)
     ways.append("or free space elsewhere on that disk" if ways else "free space elsewhere on that disk (gc and "
                                                                    "prune would free nothing here)")
     return "; ".join(ways)

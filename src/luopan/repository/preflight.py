@@ -57,6 +57,18 @@ def fits(repo: Opened, margin: float, estimate: int) -> bool:
     return free is None or free >= (estimate + OVERHEAD) * margin
 
 
+def freeing_hints(gc_frees: int | None, prune_frees: int | None, where: str) -> list[str]:
+    """What ``gc`` and ``prune`` would free (from ``reclaimable``), as sentences naming the commands; empty when
+    neither would free anything or it is not known. Shared by the save preflight and ``luopan doctor``."""
+    hints = []
+    if gc_frees:
+        hints.append(f"`luopan gc --grace 0 -r {where}` would free {format_bytes(gc_frees)} now")
+    if prune_frees:
+        hints.append(f"pruning every checkpoint except the newest (and pinned) of each run, then gc, would free up "
+                     f"to {format_bytes(prune_frees)} more (`luopan prune RUN --keep-last N`)")
+    return hints
+
+
 def refuse(repo: Opened, margin: float, estimate: int, what: str) -> None:
     """Raise InsufficientSpaceError for ``what`` (e.g. "save run 'a' step 3") unless ``estimate`` bytes fit."""
     if fits(repo, margin, estimate):
@@ -69,14 +81,8 @@ def refuse(repo: Opened, margin: float, estimate: int, what: str) -> None:
         gc_frees, prune_frees = reclaimable(repo)
     except LuopanError:
         gc_frees = prune_frees = None
-    help_text = []
-    if gc_frees:
-        help_text.append(f"`luopan gc --grace 0 -r {where}` would free {format_bytes(gc_frees)} now")
-    if prune_frees:
-        help_text.append(f"pruning every checkpoint except the newest (and pinned) of each run, then gc, would "
-                         f"free up to {format_bytes(prune_frees)} more (`luopan prune RUN --keep-last N`)")
-    if not help_text:
-        help_text.append("gc and prune would free nothing here: free space elsewhere on that disk")
+    help_text = freeing_hints(gc_frees, prune_frees, where) or [
+        "gc and prune would free nothing here: free space elsewhere on that disk"]
     err = InsufficientSpaceError(
         28, f"not enough free space to {what}: about {format_bytes(estimate)} to write, needing "
         f"{format_bytes(needed)} with the {margin:g}x margin, but only {format_bytes(free)} is free on {where}; nothing "
