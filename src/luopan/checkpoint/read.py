@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .._memory import advise_huge_pages
 from ..format.manifest import Manifest, Row
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk, read_chunks
 from ..store.base import Store
@@ -136,11 +137,19 @@ def delta_jobs(m: Manifest, entry_index: int, store: Store | None = None, sizes:
     d = m.entries[entry_index].get("delta")
     if d is None:
         return None, []
-    pending = PendingDelta(m, entry_index, memoryview(bytearray(sum(Row._make(c).size for c in d["index"]))),
-                           memoryview(bytearray(sum(Row._make(c).size for c in d["values"]))))
+    pending = PendingDelta(m, entry_index, _patch_buffer(sum(Row._make(c).size for c in d["index"])),
+                           _patch_buffer(sum(Row._make(c).size for c in d["values"])))
     jobs = [(ref, buf[pos : pos + ref.size]) for part, buf in (("index", pending.index), ("values", pending.values))
             for pos, ref in chunk_refs(m, entry_index, part)]
     return pending, jobs
+
+
+def _patch_buffer(n: int) -> memoryview:
+    """Memory the reads of a patch fill end to end: not zeroed first (a bytearray would be, page by page), with huge
+    pages asked for when large."""
+    buf = np.empty(n, dtype=np.uint8)
+    advise_huge_pages(buf.ctypes.data, n)
+    return memoryview(buf)
 
 
 def check_rows(store: Store, m: Manifest, entries: list[int] | None = None,

@@ -235,9 +235,12 @@ def apply_patch(out: memoryview, pos: int, index: np.ndarray, values: np.ndarray
     sel, vals = index[lo:hi], values[lo:hi]
     first, last = -(-pos // row_bytes), end // row_bytes  # rows lying wholly inside the span
     inside = (sel >= first) & (sel < last)
+    rows_here = dest[first * row_bytes - pos : last * row_bytes - pos].reshape(-1, row_bytes)
+    if inside.all():  # the usual case (row-aligned chunks): scatter the values' slice as it is, with no masked copy
+        rows_here[sel - first] = vals
+        return
     if inside.any():
-        dest[first * row_bytes - pos : last * row_bytes - pos].reshape(-1, row_bytes)[sel[inside] - first] = \
-            vals[inside]
+        rows_here[sel[inside] - first] = vals[inside]
     for k in np.flatnonzero(~inside):  # rows cut by the span's ends
         r0 = int(sel[k]) * row_bytes
         a, b = max(r0, pos), min(r0 + row_bytes, end)
