@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -455,3 +456,58 @@ def test_an_alias_with_a_delta_is_refused(tmp_path):
     _reseal(root, 2, lambda doc: doc["entries"][1].update(delta=delta))
     with pytest.raises(luopan.CorruptManifestError, match="is an alias and cannot have chunks or a delta"):
         luopan.open(root).load("run", 2)
+
+
+def _delta_jobs_without_patch_jobs(repo, step):
+    """The read jobs of entry "emb" of ``step`` with the patch's own jobs dropped, as when a failed batch cancels
+    them before they run: the base chunks' workers must then read the patch themselves (never wait forever)."""
+    from luopan.checkpoint.read import check_rows, entry_jobs
+
+    m = repo.manifest("run", step)
+    e = m.entry("emb")
+    assert "delta" in e
+    out = np.empty(ROWS * DIM, dtype=np.float32)
+    sizes = check_rows(repo.store, m)
+    jobs = entry_jobs(repo.store, m, 0, memoryview(out).cast("B"), sizes)
+    patch_jobs = [j for j in jobs if callable(j)]
+    assert len(patch_jobs) == len(e["delta"]["index"]) + len(e["delta"]["values"])
+    assert jobs[: len(patch_jobs)] == patch_jobs  # queued ahead of the base chunks
+    return [j for j in jobs if not callable(j)], out.reshape(ROWS, DIM), sizes
+
+
+def test_base_chunks_read_the_patch_themselves_when_its_jobs_never_run(tmp_path):
+    from luopan.repository.chunkio import read_chunks
+
+    repo = open_repo(tmp_path / "r")
+    emb = table()
+    sparse_saves(repo, emb)
+    jobs, out, sizes = _delta_jobs_without_patch_jobs(repo, 2)
+    reader = threading.Thread(target=read_chunks, args=(repo.store, jobs), kwargs={"sizes": sizes}, daemon=True)
+    reader.start()
+    reader.join(120)
+    assert not reader.is_alive(), "the base chunks waited for patch reads that never ran"
+    assert np.array_equal(out, emb)
+
+
+def test_a_damaged_patch_fails_every_base_chunk_with_its_typed_error(tmp_path):
+    from luopan.repository.chunkio import read_chunks
+
+    root = tmp_path / "r"
+    repo = open_repo(root)
+    emb = table()
+    sparse_saves(repo, emb)
+    m = repo.manifest("run", 2)
+    _h, p, off = m.entry("emb")["delta"]["values"][0][:3]
+    with open(os.path.join(root, "packs", m.packs[p][:2], m.packs[p] + ".pack"), "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    jobs, _out, sizes = _delta_jobs_without_patch_jobs(repo, 2)
+    with pytest.raises(luopan.IntegrityError, match=r"row delta values"):
+        read_chunks(repo.store, jobs, sizes=sizes)
+    for job in jobs[:3]:  # each one alone, on this thread: the stored failure, re-raised, not a hang
+        with pytest.raises(luopan.IntegrityError, match=r"row delta values"):
+            read_chunks(repo.store, [job], sizes=sizes)
+    with pytest.raises(luopan.IntegrityError, match=r"row delta values"):
+        repo.load("run", 2)  # patch jobs and base jobs together

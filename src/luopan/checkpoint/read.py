@@ -13,7 +13,7 @@ import numpy as np
 
 from .._memory import advise_huge_pages
 from ..format.manifest import Manifest, Row
-from ..repository.chunkio import ChunkRef, PackSizes, read_chunk, read_chunks
+from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
 from ..store.base import Store
 from .rowdelta import apply_patch, decode_patch
 
@@ -111,19 +111,84 @@ def _xor_scratch(size: int) -> memoryview:
 
 def entry_jobs(store: Store, m: Manifest, entry_index: int, dest: memoryview,
                sizes: PackSizes | None = None) -> list[Any]:
-    """Read jobs that fill ``dest`` with an entry's bytes. A row delta's index and values are read (and verified)
-    first; each base chunk is then patched by the worker that read it, so applying a delta costs little more than
-    reading the patch. An XOR delta's chunk is read and applied by the worker that read its base chunk."""
+    """Read jobs (for ``read_chunks``) that fill ``dest`` with an entry's bytes. A row delta's index and values
+    chunks come first, as jobs of their own, so they are read (and verified) on the workers alongside the base
+    chunks rather than before them; each base chunk is then patched by the worker that read it, once the whole
+    patch is in (``_PatchReads``), so applying a delta costs little more than reading the patch. An XOR delta's
+    chunk is read and applied by the worker that read its base chunk."""
     delta, jobs = delta_jobs(m, entry_index, store, sizes)
     if delta is None:
         return [(ref, dest[pos : pos + ref.size]) for pos, ref in chunk_refs(m, entry_index)]
-    read_chunks(store, jobs, sizes=sizes)
-    delta.decode()  # check the row numbers once, before any worker uses them
+    if isinstance(delta, PendingXor):
+        return [(ref, dest[pos : pos + ref.size], _patcher(delta, pos)) for pos, ref in chunk_refs(m, entry_index)]
+    reads = _PatchReads(store, delta, jobs, sizes or PackSizes(store))
+    return [*reads.jobs(), *((ref, dest[pos : pos + ref.size], reads.patcher(pos))
+                             for pos, ref in chunk_refs(m, entry_index))]
 
-    def patcher(pos: int) -> Callable[[memoryview], None]:
-        return lambda out: delta.apply(out, pos)
 
-    return [(ref, dest[pos : pos + ref.size], patcher(pos)) for pos, ref in chunk_refs(m, entry_index)]
+def _patcher(delta: PendingXor, pos: int) -> Callable[[memoryview], None]:
+    return lambda out: delta.apply(out, pos)
+
+
+class _PatchReads:
+    """The chunks of one row delta's patch, read by jobs of their own queued ahead of the base chunks. A base chunk's
+    worker that needs the patch before every patch chunk is in reads the ones no worker has started (their jobs may
+    never run: a failed batch cancels the jobs still queued) and waits only for those another worker is reading, so
+    nothing ever waits on work that is not running. The row numbers are checked once, by whichever worker completes
+    the patch; a failure is raised, as the same typed error, by every job that needs the patch."""
+
+    _TODO, _READING, _DONE, _FAILED = range(4)
+
+    def __init__(self, store: Store, delta: PendingDelta, jobs: list[tuple[ChunkRef, memoryview]],
+                 sizes: PackSizes) -> None:
+        self.store, self.delta, self.reads, self.sizes = store, delta, jobs, sizes
+        self.lock = threading.Lock()
+        self.state = [self._TODO] * len(jobs)
+        self.done = [threading.Event() for _ in jobs]
+        self.errors: list[BaseException | None] = [None] * len(jobs)
+        self.decoded: BaseException | bool = False
+
+    def jobs(self) -> list[Callable[[], None]]:
+        return [lambda k=k: self._read(k) for k in range(len(self.reads))]
+
+    def _read(self, k: int) -> None:
+        """Read patch chunk ``k`` unless a worker already has (or is): then wait for it; raise if it failed."""
+        with self.lock:
+            mine = self.state[k] == self._TODO
+            if mine:
+                self.state[k] = self._READING
+        if mine:
+            try:
+                read_chunk(self.store, *self.reads[k], self.sizes)  # into the patch's own buffer, never the target
+            except BaseException as exc:
+                self.errors[k], self.state[k] = exc, self._FAILED
+                raise
+            else:
+                self.state[k] = self._DONE
+            finally:
+                self.done[k].set()
+            return
+        self.done[k].wait()  # another worker is reading it, or has
+        if self.state[k] == self._FAILED:
+            raise self.errors[k]  # type: ignore[misc]  # the same typed error, whichever job reports it
+
+    def _ready(self) -> PendingDelta:
+        for k in range(len(self.reads)):
+            self._read(k)
+        with self.lock:
+            if self.decoded is False:
+                try:
+                    self.delta.decode()  # check the row numbers once, before any worker uses them
+                    self.decoded = True
+                except BaseException as exc:
+                    self.decoded = exc
+                    raise
+        if self.decoded is not True:
+            raise self.decoded
+        return self.delta
+
+    def patcher(self, pos: int) -> Callable[[memoryview], None]:
+        return lambda out: self._ready().apply(out, pos)
 
 
 def delta_jobs(m: Manifest, entry_index: int, store: Store | None = None, sizes: PackSizes | None = None

@@ -122,13 +122,17 @@ def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False, siz
     """Read and verify many chunks on both cores, each straight into its destination.
 
     Jobs are ``(ref, out)`` or ``(ref, out, after)``: ``after(out)`` runs on the worker once the chunk is verified
-    and in place (row deltas patch a base chunk there, while it is in cache). With ``via_scratch`` each chunk is
+    and in place (row deltas patch a base chunk there, while it is in cache). A job may also be a callable, run on a
+    worker as it is (a row delta's patch reads, queued ahead of the base chunks). With ``via_scratch`` each chunk is
     read and verified in scratch memory and only then copied to its destination, so damaged bytes never reach it
     (for restoring into memory the caller already owns).
     """
     sizes = sizes or PackSizes(store)
 
-    def one(job: tuple[Any, ...]) -> None:
+    def one(job: Any) -> None:
+        if callable(job):
+            job()
+            return
         ref, out = job[0], job[1]
         if via_scratch:
             sizes.check(ref)  # before the scratch buffer is sized by the row
