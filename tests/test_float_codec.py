@@ -35,7 +35,33 @@ def weights(n, dtype, seed=0):
 def roundtrip(data, width, codings):
     blob = bytegroup.encode(memoryview(data), width, codings, blobcodec.compressor(3))
     assert bytes(bytegroup.decode(blob, len(data), "test")) == data
+    frame = bytearray(b"\xa5" * (len(data) + 16))  # decoded in place into a caller's buffer: exactly its bytes
+    out = memoryview(frame)[8 : 8 + len(data)]
+    assert bytegroup.decode(blob, len(data), "test", out) is not None
+    assert bytes(out) == data and frame[:8] == frame[-8:] == b"\xa5" * 8
+    assert bytes(decode_blob("bytegroup", blob, len(data), "test", out)) == data
     return blob
+
+
+def test_decode_into_a_buffer_of_the_wrong_size_is_refused():
+    blob = roundtrip(weights(1000, torch.bfloat16), 2, [planes.DEFLATE, planes.NIBBLES])
+    with pytest.raises(ValueError, match="not 2000"):
+        bytegroup.decode(blob, 2000, "x", memoryview(bytearray(1999)))
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_xor_delta_chunks_code_their_planes_with_fast_zstd(dtype, width):
+    g = torch.Generator().manual_seed(1)
+    w = torch.empty(300_000).normal_(0, 0.02, generator=g).to(dtype)
+    moved = (w.float() + torch.empty(300_000).normal_(0, 1e-5, generator=g)).to(dtype)
+    xor = np.bitwise_xor(w.view(torch.uint8).numpy(), moved.view(torch.uint8).numpy()).tobytes()
+    codec, stored = encode_blob(memoryview(xor), AUTO, width, fast=True)
+    assert codec == "bytegroup"
+    codings = [struct.unpack_from("<BI", stored, 4 + 5 * j)[0] for j in range(width)]
+    assert set(codings) <= {planes.RAW, planes.ZSTD} and planes.ZSTD in codings
+    assert bytes(decode_blob(codec, stored, len(xor), "x")) == xor
+    slow_codec, slow = encode_blob(memoryview(xor), AUTO, width)
+    assert slow_codec == "bytegroup" and len(stored) < 1.25 * len(slow)  # a little larger, never much
 
 
 # -- round trips ---------------------------------------------------------------------------------------------------

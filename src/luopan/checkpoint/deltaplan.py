@@ -46,7 +46,7 @@ class PlanContext:
     read_base: Callable[[Triple, int], memoryview]  # verified bytes of a base chunk (thread-local; BaseReadError)
     pool: ThreadPoolExecutor
     compressing: bool  # the repository compresses chunks (XOR deltas only pay then)
-    encode: Callable[[memoryview, int], memoryview]  # stored bytes of a piece of an entry, as the save would store it
+    encode: Callable[[memoryview, int, bool], memoryview]  # stored bytes of a piece of an entry (an XOR delta's: True)
 
 
 def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step: int, track: RowTrack | None,
@@ -119,8 +119,8 @@ def _xor_pays(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], k: int
     b = a + min(n, SAMPLE_BYTES)
     current = data[off + a : off + b]
     delta = xor_into(current, pc.read_base(base[k], k)[a:b])
-    plain = len(pc.encode(current, leaf.itemsize))
-    return len(pc.encode(delta, leaf.itemsize)) <= pc.policy.xor_fraction * plain
+    plain = len(pc.encode(current, leaf.itemsize, False))
+    return len(pc.encode(delta, leaf.itemsize, True)) <= pc.policy.xor_fraction * plain
 
 
 def _same_as_base(track: RowTrack, xs: list[str], hashes: list[str] | None) -> list[bool] | None:

@@ -152,7 +152,7 @@ class _CheckpointWriter:
         req, ctx, chunk_size = self.req, self.ctx, self.ctx.config.chunk_size
         compression = ctx.config.compression
         pc = PlanContext(ctx.policy, self._usable, self._read_base, pool, compression.codec != "none",
-                         lambda view, width: encode_blob(view, compression, width)[1])
+                         lambda view, width, fast: encode_blob(view, compression, width, fast)[1])
         for i, leaf in enumerate(req.leaves):
             if leaf.alias_of is not None or i in self.skipped:
                 continue
@@ -234,7 +234,7 @@ class _CheckpointWriter:
         else:
             h = blake3.blake3(view).hexdigest()
         if h not in self.ctx.known:
-            codec, stored = encode_blob(view, self.ctx.config.compression, self._itemsize(i))
+            codec, stored = encode_blob(view, self.ctx.config.compression, self._itemsize(i), fast=base is not None)
             return i, h, stored, len(view), codec, x
         return i, h, view, len(view), "none", x
 

@@ -33,6 +33,25 @@ PLANE_MIN_SAVING = 0.15
 NIBBLE_MIN_SHARE = 0.995
 
 
+# XOR-delta chunks (docs/format.md §5.4) code their planes with zstd tuned to do little more than entropy-code
+# literals (the fast strategy with a tiny hash table and long minimum matches), instead of deflate's Huffman codes
+# or zstd at the repository's level: the same zstd frames for readers, written ~2x and read ~1.6x faster. Measured
+# on the XOR of a mixed-precision fine-tune's bf16 weights 2 saves apart (4 MiB chunks, one core): the low plane
+# 3.5 ms for 37.2% of its size against 6.3 ms for 34.6% (deflate), the exponent plane 1.3 ms for 3.2% (the same as
+# zstd level 3). A full fine-tune writes such a chunk for every chunk it changes at every save, so its save time is
+# mostly this coding; weights stored in full keep the denser codings (P14 compares them with ZipNN).
+FAST_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, hash_log=8, min_match=7, search_log=1,
+                                                  strategy=zstandard.STRATEGY_FAST)
+
+
+def fast_compressor() -> zstandard.ZstdCompressor:
+    """This thread's zstd compressor with FAST_PARAMS."""
+    c = getattr(_tls, "zstd_fast", None)
+    if c is None:
+        c = _tls.zstd_fast = zstandard.ZstdCompressor(compression_params=FAST_PARAMS)
+    return c
+
+
 def compressor(level: int) -> zstandard.ZstdCompressor:
     """This thread's zstd compressor at ``level`` (compressors are not thread-safe; making one costs ~50 us)."""
     c = getattr(_tls, "zstd", None)
@@ -53,17 +72,20 @@ def sample(view: memoryview | bytes, width: int = 1) -> memoryview | bytes:
     return b"".join(view[s : s + piece] for s in starts)
 
 
-def float_codings(view: memoryview | bytes, width: int, level: int) -> list[int] | None:
+def float_codings(view: memoryview | bytes, width: int, level: int, fast: bool = False) -> list[int] | None:
     """How to store each byte plane of a float chunk (planes.RAW / NIBBLES / ZSTD / DEFLATE), or None when a sample
     says the chunk would not shrink by AUTO_MIN_SAVING. A plane worth coding takes nibbles when 15 consecutive
     values hold nearly all of it (Huffman codes of nibble pairs: half the work, closer to the entropy); else
-    deflate's Huffman codes of its bytes; zstd instead of either where the sample shows it does better (repetition)."""
+    deflate's Huffman codes of its bytes; zstd instead of either where the sample shows it does better (repetition).
+    With ``fast`` (XOR-delta chunks) every plane worth coding takes zstd (FAST_PARAMS)."""
     s = sample(view, width)
     m = len(s) // width
     entropies, shares = bytegroup.plane_stats(s, width)
     coded = entropies <= m * (1 - PLANE_MIN_SAVING)  # the planes worth coding; the others are stored raw
     if m == 0 or float(np.where(coded, entropies, m).sum()) > len(s) * (1 - AUTO_MIN_SAVING):
         return None  # the chunk, as it would be stored, does not shrink enough
+    if fast:
+        return [planes.ZSTD if c else planes.RAW for c in coded]
     codings = []
     for j, plane in enumerate(bytegroup.split(s, width)):
         if not coded[j]:
@@ -82,20 +104,23 @@ def _zstd(view: memoryview | bytes, level: int) -> tuple[str, memoryview | bytes
     return ("zstd", memoryview(z)) if len(z) < len(view) else ("none", view)
 
 
-def encode_blob(view: memoryview, compression: Compression, itemsize: int = 0) -> tuple[str, memoryview]:
+def encode_blob(view: memoryview, compression: Compression, itemsize: int = 0,
+                fast: bool = False) -> tuple[str, memoryview]:
     """(codec, stored bytes) for one chunk. ``itemsize`` is the width of the chunk's elements when they are known to
     be floating-point numbers (2 for bf16/fp16, 4 for fp32, 8 for fp64), 0 when not. Returns ``("none", view)`` when
-    no codec makes the chunk smaller (and, for "auto", when a sample says compressing would not pay)."""
+    no codec makes the chunk smaller (and, for "auto", when a sample says compressing would not pay). ``fast``: an
+    XOR-delta chunk of floats, whose planes "auto" codes with FAST_PARAMS."""
     codec = compression.codec
     if codec == "zstd":
         return _zstd(view, compression.level)  # type: ignore[return-value]
     if codec != "auto" or not len(view):
         return "none", view
     if itemsize in bytegroup.WIDTHS and len(view) >= itemsize:
-        codings = float_codings(view, itemsize, compression.level)
+        codings = float_codings(view, itemsize, compression.level, fast)
         if codings is None:
             return "none", view
-        stored = bytegroup.encode(view, itemsize, codings, compressor(compression.level))
+        stored = bytegroup.encode(view, itemsize, codings,
+                                  fast_compressor() if fast else compressor(compression.level))
         return ("bytegroup", memoryview(stored)) if len(stored) < len(view) else ("none", view)
     s = sample(view)
     z = compressor(compression.level).compress(s)
@@ -106,9 +131,16 @@ def encode_blob(view: memoryview, compression: Compression, itemsize: int = 0) -
     return _zstd(view, compression.level)  # type: ignore[return-value]
 
 
-def decode_blob(codec: str, data: bytes | memoryview, size: int, where: str) -> bytes | memoryview:
+def decode_blob(codec: str, data: bytes | memoryview, size: int, where: str,
+                out: memoryview | None = None) -> bytes | memoryview:
     """The raw bytes of a stored blob (exactly ``size`` of them); CorruptPackError names ``where`` on damage. Never
-    allocates more than ``size`` (+1) bytes, whatever the stored bytes declare."""
+    allocates more than ``size`` (+1) bytes, whatever the stored bytes declare. With ``out`` (``size`` writable
+    bytes) a bytegroup blob is decoded straight into it, and ``out`` is returned; other codecs are copied into it."""
+    if out is not None:
+        if codec == "bytegroup":
+            return bytegroup.decode(data, size, where, out)
+        out[:] = decode_blob(codec, data, size, where)
+        return out
     if codec == "none":
         if len(data) != size:
             raise CorruptPackError(f"corrupt blob: {where} has {len(data)} bytes, not {size}")

@@ -102,8 +102,10 @@ def _bad(where: str, what: str) -> CorruptPackError:
     return CorruptPackError(f"corrupt bytegroup blob: {where}: {what}")
 
 
-def decode(data: bytes | memoryview, size: int, where: str) -> memoryview:
-    """The ``size`` raw bytes of a bytegroup blob; CorruptPackError naming ``where`` on any inconsistency."""
+def decode(data: bytes | memoryview, size: int, where: str, out: memoryview | None = None) -> memoryview:
+    """The ``size`` raw bytes of a bytegroup blob; CorruptPackError naming ``where`` on any inconsistency. With
+    ``out`` (``size`` writable bytes) they are decoded straight into it (no fresh memory to fault in, no copy), and
+    on damage it holds partial bytes, as a raw read would."""
     mv = memoryview(data).cast("B")
     if len(mv) < _HEAD.size:
         raise _bad(where, f"{len(mv)} bytes, shorter than its header")
@@ -121,19 +123,38 @@ def decode(data: bytes | memoryview, size: int, where: str) -> memoryview:
     total = pos + sum(length for _c, length in records) + tail
     if total != len(mv):
         raise _bad(where, f"{len(mv)} bytes, but its header and raw size ({size}) call for {total}")
-    out = np.empty(size, np.uint8)
-    elems = out[: m * width].reshape(m, width)
+    dest = np.empty(size, np.uint8) if out is None else np.frombuffer(out, np.uint8)
+    if len(dest) != size:
+        raise ValueError(f"bytegroup.decode: out holds {len(dest)} bytes, not {size}")
+    decoded = []
     for j, (coding, length) in enumerate(records):
         try:
-            plane = decode_plane(coding, mv[pos : pos + length], m)
+            decoded.append(np.frombuffer(decode_plane(coding, mv[pos : pos + length], m), np.uint8))
         except PlaneError as exc:
             raise _bad(where, f"plane {j}: {exc}") from None
-        np.copyto(elems[:, j], np.frombuffer(plane, np.uint8))
         pos += length
-    out[m * width:] = np.frombuffer(mv[pos:], np.uint8)
+    _interleave(dest[: m * width], decoded, width)
+    dest[m * width:] = np.frombuffer(mv[pos:], np.uint8)
     if transform == ROTATE and m:
-        u = out[: m * width].view(f"<u{width}")
+        u = dest[: m * width].view(f"<u{width}")
         t = np.left_shift(u, 8 * width - 1)
         np.right_shift(u, 1, out=u)
         np.bitwise_or(u, t, out=u)
-    return memoryview(out)
+    return memoryview(dest)
+
+
+def _interleave(body: np.ndarray, decoded: list[np.ndarray], width: int) -> None:
+    """Byte j of each element of ``body`` from plane j. Shifting whole elements (top plane first) beats strided byte
+    copies up to 4-byte elements: 4 MiB of bf16 0.31 vs 1.05 ms here, fp32 0.73 vs 1.09, fp64 1.62 vs 1.10."""
+    if not len(body):
+        return
+    if width > 4:
+        elems = body.reshape(-1, width)
+        for j, plane in enumerate(decoded):
+            np.copyto(elems[:, j], plane)
+        return
+    u = body.view(f"<u{width}")
+    np.copyto(u, decoded[-1])
+    for plane in decoded[-2::-1]:
+        np.left_shift(u, 8, out=u)
+        np.bitwise_or(u, plane, out=u)

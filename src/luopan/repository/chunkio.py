@@ -48,10 +48,12 @@ class ChunkRef:
                 f"(hash {self.hash[:16]}…, pack {self.pack[:16]}… offset {self.offset})")
 
 
-def _scratch(size: int) -> memoryview:
-    buf = getattr(_tls, "buf", None)
+def _scratch(size: int, name: str = "buf") -> memoryview:
+    """``size`` bytes of this thread's scratch memory ``name`` (reused until its next call)."""
+    buf = getattr(_tls, name, None)
     if buf is None or len(buf) < size:
-        buf = _tls.buf = bytearray(size)
+        buf = bytearray(size)
+        setattr(_tls, name, buf)
     return memoryview(buf)[:size]
 
 
@@ -103,10 +105,11 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | 
             if got != ref.size:
                 raise CorruptPackError(f"pack truncated: {ref.where()} has {got} of {ref.size} bytes")
         else:
-            data = store.get_range(key, ref.offset, ref.length)
-            if len(data) != ref.length:
-                raise CorruptPackError(f"pack truncated: {ref.where()} has {len(data)} of {ref.length} bytes")
-            out[:] = decode_blob(ref.codec, data, ref.size, ref.where())
+            data = _scratch(ref.length, "stored")  # reused: a fresh buffer per chunk would be faulted in each time
+            got = store.read_into(key, ref.offset, data)
+            if got != ref.length:
+                raise CorruptPackError(f"pack truncated: {ref.where()} has {got} of {ref.length} bytes")
+            decode_blob(ref.codec, data, ref.size, ref.where(), out)
     except KeyNotFound:
         raise MissingPackError(f"missing pack: {ref.where()}: {key} is not in the repository") from None
     if ref.xxh3:
