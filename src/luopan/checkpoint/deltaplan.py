@@ -205,10 +205,12 @@ def differing_rows(data: memoryview, spans: list[tuple[int, int]], ks: list[int]
     return out[out < nrows]
 
 
-def xor_into(data: memoryview, base: memoryview) -> memoryview:
-    """``data`` XOR ``base`` as a new buffer (8 bytes at a time where the length allows)."""
+def xor_into(data: memoryview, base: memoryview, in_place: bool = False) -> memoryview:
+    """``data`` XOR ``base`` (8 bytes at a time where the length allows): a new buffer, or with ``in_place`` written
+    over ``base`` (a scratch buffer: no fresh memory to fault in)."""
     w = "u8" if len(data) % 8 == 0 else "u1"
-    out = np.bitwise_xor(np.frombuffer(data, dtype=w), np.frombuffer(base, dtype=w))
+    b = np.frombuffer(base, dtype=w)
+    out = np.bitwise_xor(np.frombuffer(data, dtype=w), b, out=b if in_place else None)
     return memoryview(out).cast("B")
 
 

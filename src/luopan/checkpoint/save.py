@@ -225,8 +225,8 @@ class _CheckpointWriter:
 
     def _work(self, item: Item) -> tuple[int, str, memoryview, int, str, str]:
         i, view, prev, x, base = item
-        if base is not None:  # an XOR delta chunk: this content XOR the base chunk at the same place
-            view = xor_into(view, self._read_base(base, 0))
+        if base is not None:  # an XOR delta chunk: this content XOR the base chunk at the same place, computed in
+            view = xor_into(view, self._read_base(base, 0), in_place=True)  # this thread's scratch (copied if kept)
         if x is None:
             x = xxhash.xxh3_128_hexdigest(view)  # ~2x BLAKE3's speed here: the cheap change detector
         if prev is not None and prev[6] == x and prev[4] == len(view):
@@ -235,8 +235,10 @@ class _CheckpointWriter:
             h = blake3.blake3(view).hexdigest()
         if h not in self.ctx.known:
             codec, stored = encode_blob(view, self.ctx.config.compression, self._itemsize(i), fast=base is not None)
+            if base is not None and codec == "none":
+                stored = memoryview(bytes(stored))  # the scratch is reused by this thread's next chunk
             return i, h, stored, len(view), codec, x
-        return i, h, view, len(view), "none", x
+        return i, h, view if base is None else memoryview(bytes(view)), len(view), "none", x
 
     def _itemsize(self, target: int) -> int:
         """Element width of a target's bytes for the float codec (0: unknown)."""

@@ -16,6 +16,11 @@ from .blobcodec import compressor  # noqa: F401  (importable from here as before
 from .chunkio import check_pack_trailer
 
 PACK_WRITES_IN_FLIGHT = 3
+# A pack is also written, before it reaches pack_size, once it holds pack_size of raw (uncompressed) chunk bytes and at
+# least this many stored bytes: a compressed save (a full fine-tune's XOR deltas store ~18% of the raw bytes) would
+# otherwise build all its chunks into one pack and write and fsync it only at the end, after every chunk was coded
+# (0.12-0.17 s of a 0.6 s save of 256 MiB here, the disk idle until then). Packs stay O(raw bytes / pack_size).
+EARLY_FLUSH_MIN = 8 << 20
 
 
 @dataclass
@@ -35,6 +40,7 @@ class PackWriter:
     written: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # pack id -> blob records
     created: list[str] = field(default_factory=list)  # packs this writer created (not ones that already existed)
     stored_bytes: int = 0
+    raw_bytes: int = 0  # raw bytes of the chunks in the current builder
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(PACK_WRITES_IN_FLIGHT, "luopan-pack"))
     _inflight: deque[Future[None]] = field(default_factory=deque)
@@ -43,7 +49,9 @@ class PackWriter:
         """Append a blob; returns its builder (whose pack_id is set once flushed) and offset."""
         b = self.builder
         off = b.add(chunk_hash, stored, size, codec)
-        if b.nbytes >= self.pack_size:
+        self.raw_bytes += size
+        if b.nbytes >= self.pack_size or (self.raw_bytes >= self.pack_size
+                                          and b.nbytes >= min(self.pack_size, EARLY_FLUSH_MIN)):
             self.flush()
         return b, off
 
@@ -52,6 +60,7 @@ class PackWriter:
         if not b.blobs:
             return
         self.builder = PackBuilder()
+        self.raw_bytes = 0
         pack_id, parts, total = b.finish()
         b.parts = []  # the write below holds the data until it is durable; the builder keeps only the layout
         while len(self._inflight) >= PACK_WRITES_IN_FLIGHT:
