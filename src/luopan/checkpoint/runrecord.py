@@ -7,12 +7,14 @@ Eval results keep per-sample outputs, not just scores: ``repo.run("run-a").log_e
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import re
 import subprocess
 import sys
+import threading
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
 from typing import Any
@@ -113,13 +115,19 @@ def git_state() -> dict[str, Any] | None:
 
 
 def packages() -> dict[str, str]:
-    out = {}
+    """Versions of the PACKAGES installed (read once per process: ~11 ms of metadata parsing each time)."""
+    return dict(_packages())
+
+
+@functools.lru_cache(maxsize=1)
+def _packages() -> tuple[tuple[str, str], ...]:
+    out = []
     for name in PACKAGES:
         try:
-            out[name] = importlib_metadata.version(name)
+            out.append((name, importlib_metadata.version(name)))
         except importlib_metadata.PackageNotFoundError:
             continue
-    return out
+    return tuple(out)
 
 
 def config_json(config: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -203,7 +211,9 @@ class Run:
 
     def write_record(self, config: dict[str, Any] | None = None) -> bool:
         """Write the run's record if it has none (returns whether this call wrote it)."""
-        data = seal(build_record(self.name, config))
+        return self._put_record(seal(build_record(self.name, config)))
+
+    def _put_record(self, data: bytes) -> bool:
         if len(data) > MAX_RECORD_BYTES:
             raise UnsupportedValueError(f"the record of run {self.name!r} would be {len(data)} bytes, more than "
                                         f"readers accept ({MAX_RECORD_BYTES}): pass a smaller config")
@@ -285,3 +295,30 @@ class Run:
                 found.append(as_problem(exc))
         found += pin_problems(store, CHECKPOINTS, self.name)
         return found
+
+
+class RecordWriter:
+    """A run's record built on a background thread from the start (its git state and package versions cost ~20 ms of
+    subprocesses and file reads, 10% of saving 256 MiB to a fresh repository here), written by ``write()``: the
+    first save of a run starts one before writing its chunks and writes it afterwards."""
+
+    def __init__(self, run: Run, config: dict[str, Any] | None = None) -> None:
+        self.run = run
+        self._data: bytes | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build, args=(config,), name="luopan-record", daemon=True)
+        self._thread.start()
+
+    def _build(self, config: dict[str, Any] | None) -> None:
+        try:
+            self._data = seal(build_record(self.run.name, config))
+        except BaseException as exc:  # noqa: BLE001 - raised by write(), on the saving thread
+            self._error = exc
+
+    def write(self) -> bool:
+        """Write the record if the run has none (returns whether this call wrote it); raises what building it raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None
+        return self.run._put_record(self._data)

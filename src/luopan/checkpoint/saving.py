@@ -38,7 +38,7 @@ from .progress import SaveProgress
 from .kind import CHECKPOINTS
 from .request import SaveRequest, check_json, entries_by_path, same_version, tensor_versions, touched_hints
 from .rowdelta import DeltaPolicy, RowTrack
-from .runrecord import Run
+from .runrecord import RecordWriter, Run
 from .deltaplan import disk_tracks
 from .save import write_checkpoint
 from .writectx import WriteContext
@@ -308,17 +308,21 @@ class Saving(RepositoryCore):
 
     def _commit_locked(self, plan: SaveRequest, started: float, stall: float | None,
                        progress: SaveProgress) -> CheckpointInfo:
-        if plan.run not in self._recorded:  # the run's record, once (docs/format.md §8.1)
-            try:
-                Run(self, plan.run).write_record()
-            except (OSError, ValueError, LuopanError) as exc:  # a record is context: never fail the save for it
-                warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
-            self._recorded.add(plan.run)
-        context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
-                               self._delta_tracks(plan.run), self.delta_policy, self._intact_packs,
-                               self._bad_bases, started, stall, progress.advance)
-        with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
-            result = write_checkpoint(context, plan)
+        # The run's record, once (docs/format.md §8.1): built while the chunks are written, then written.
+        record = RecordWriter(Run(self, plan.run)) if plan.run not in self._recorded else None
+        try:
+            context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
+                                   self._delta_tracks(plan.run), self.delta_policy, self._intact_packs,
+                                   self._bad_bases, started, stall, progress.advance)
+            with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
+                result = write_checkpoint(context, plan)
+        finally:
+            if record is not None:
+                try:
+                    record.write()
+                except (OSError, ValueError, LuopanError) as exc:  # a record is context: never fail a save for it
+                    warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
+                self._recorded.add(plan.run)
         self.learned(result.new_locations, result.index_key)
         self._previous[plan.run] = entries_by_path(result.doc)
         self._tracks[plan.run] = result.tracks
