@@ -511,3 +511,21 @@ def test_a_damaged_patch_fails_every_base_chunk_with_its_typed_error(tmp_path):
             read_chunks(repo.store, [job], sizes=sizes)
     with pytest.raises(luopan.IntegrityError, match=r"row delta values"):
         repo.load("run", 2)  # patch jobs and base jobs together
+
+
+def test_load_into_with_a_damaged_patch_leaves_the_target_untouched(tmp_path):
+    root = tmp_path / "r"
+    repo = open_repo(root)
+    emb = table()
+    sparse_saves(repo, emb, other=np.arange(1000.0))
+    m = repo.manifest("run", 2)
+    _h, p, off = m.entry("emb")["delta"]["values"][0][:3]
+    with open(os.path.join(root, "packs", m.packs[p][:2], m.packs[p] + ".pack"), "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    target = {"emb": np.zeros((ROWS, DIM), np.float32), "other": np.zeros(1000)}
+    with pytest.raises(luopan.IntegrityError, match=r"row delta values"):
+        repo.load_into("run", target, step=2)
+    assert not target["emb"].any()  # no base rows without their patch: scratch is patched before the copy

@@ -130,3 +130,19 @@ def test_undecodable_bytes_never_fail_a_save(tmp_path, dirty_worktree, monkeypat
     repo.save("a", 1, {"w": np.ones(2)})
     rec = repo.run("a").record()
     assert "caf" in rec["git"]["diff"] and rec["environment"]["LUOPAN_TEST_BYTES"] == "\ufffd\ufffd"
+
+
+def test_a_record_that_cannot_be_built_never_fails_or_hides_a_save(tmp_path, monkeypatch):
+    from luopan.checkpoint import runrecord
+
+    def broken():
+        raise RuntimeError("metadata is broken")
+
+    monkeypatch.setattr(runrecord, "git_state", broken)
+    repo = luopan.open(tmp_path / "repo")
+    with pytest.warns(UserWarning, match="run record could not be written"):
+        info = repo.save("a", 0, {"w": np.ones(3)})
+    assert info.step == 0 and repo.steps("a") == [0] and repo.run("a").record() is None
+    assert np.array_equal(repo.load("a")["w"], np.ones(3))
+    repo.save("a", 1, {"w": np.zeros(3)})  # no second attempt in this process, and the next save is normal
+    assert repo.steps("a") == [0, 1]

@@ -173,7 +173,10 @@ class _PatchReads:
             raise self.errors[k]  # type: ignore[misc]  # the same typed error, whichever job reports it
 
     def _ready(self) -> PendingDelta:
-        for k in range(len(self.reads)):
+        for k in range(len(self.reads)):  # first read what no worker has started (unlocked peek: _read re-checks)
+            if self.state[k] == self._TODO:
+                self._read(k)
+        for k in range(len(self.reads)):  # then wait for the rest
             self._read(k)
         with self.lock:
             if self.decoded is False:

@@ -308,28 +308,43 @@ class Saving(RepositoryCore):
 
     def _commit_locked(self, plan: SaveRequest, started: float, stall: float | None,
                        progress: SaveProgress) -> CheckpointInfo:
-        # The run's record, once (docs/format.md §8.1): built while the chunks are written, then written.
-        record = RecordWriter(Run(self, plan.run)) if plan.run not in self._recorded else None
+        # The run's record, once (docs/format.md §8.1): built while the chunks are written, written after them
+        # (also when the save fails, as before). A record is context: it never fails or masks a save.
+        record = self._start_record(plan.run) if plan.run not in self._recorded else None
         try:
             context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
                                    self._delta_tracks(plan.run), self.delta_policy, self._intact_packs,
                                    self._bad_bases, started, stall, progress.advance)
             with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
                 result = write_checkpoint(context, plan)
-        finally:
-            if record is not None:
-                try:
-                    record.write()
-                except (OSError, ValueError, LuopanError) as exc:  # a record is context: never fail a save for it
-                    warnings.warn(f"run {plan.run!r}: the run record could not be written ({exc})", stacklevel=3)
-                self._recorded.add(plan.run)
+        except BaseException:
+            self._finish_record(plan.run, record)
+            raise
         self.learned(result.new_locations, result.index_key)
         self._previous[plan.run] = entries_by_path(result.doc)
         self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
         if self.tier is not None:
             self.tier.committed(CHECKPOINTS, plan.run, plan.step)  # queue it for background replication
+        self._finish_record(plan.run, record)
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
+
+    def _start_record(self, run: str) -> RecordWriter | None:
+        try:
+            return RecordWriter(Run(self, run))
+        except Exception as exc:  # noqa: BLE001 - e.g. no thread could be started: the save goes on without it
+            warnings.warn(f"run {run!r}: the run record could not be written ({exc})", stacklevel=4)
+            self._recorded.add(run)
+            return None
+
+    def _finish_record(self, run: str, record: RecordWriter | None) -> None:
+        if record is None:
+            return
+        try:
+            record.write()
+        except Exception as exc:  # noqa: BLE001 - whatever building or writing it raised, the save stands
+            warnings.warn(f"run {run!r}: the run record could not be written ({exc})", stacklevel=4)
+        self._recorded.add(run)
 
     def _delta_tracks(self, run: str) -> dict[str, RowTrack]:
         """This process's delta state of the run; for its first save of the run, the bases the run's newest

@@ -134,7 +134,8 @@ def encode_blob(view: memoryview, compression: Compression, itemsize: int = 0,
 def decode_blob(codec: str, data: bytes | memoryview, size: int, where: str,
                 out: memoryview | None = None) -> bytes | memoryview:
     """The raw bytes of a stored blob (exactly ``size`` of them); CorruptPackError names ``where`` on damage. Never
-    allocates more than ``size`` (+1) bytes, whatever the stored bytes declare. With ``out`` (``size`` writable
+    allocates more than about twice ``size`` (the result and the decoded planes), whatever the stored bytes
+    declare. With ``out`` (``size`` writable
     bytes) a bytegroup blob is decoded straight into it, and ``out`` is returned; other codecs are copied into it."""
     if out is not None:
         if codec == "bytegroup":

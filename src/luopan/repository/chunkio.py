@@ -128,7 +128,7 @@ def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False, siz
     and in place (row deltas patch a base chunk there, while it is in cache). A job may also be a callable, run on a
     worker as it is (a row delta's patch reads, queued ahead of the base chunks). With ``via_scratch`` each chunk is
     read and verified in scratch memory and only then copied to its destination, so damaged bytes never reach it
-    (for restoring into memory the caller already owns).
+    (for restoring into memory the caller already owns), and ``after`` runs on the scratch copy before that.
     """
     sizes = sizes or PackSizes(store)
 
@@ -141,11 +141,13 @@ def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False, siz
             sizes.check(ref)  # before the scratch buffer is sized by the row
             tmp = _scratch(ref.size)
             read_chunk(store, ref, tmp, sizes)
+            if len(job) > 2:
+                job[2](tmp)  # patched in scratch too: a delta whose patch fails to read never reaches ``out``
             out[:] = tmp
         else:
             read_chunk(store, ref, out, sizes)
-        if len(job) > 2:
-            job[2](out)
+            if len(job) > 2:
+                job[2](out)
 
     if len(jobs) <= 1:
         for job in jobs:
