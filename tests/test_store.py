@@ -105,3 +105,20 @@ def test_open_store_by_scheme(tmp_path):
     assert isinstance(open_store("memory://"), MemoryStore)
     with pytest.raises(InvalidNameError, match="unsupported repository URL scheme 'gopher'"):
         open_store("gopher://x/y")
+
+
+def test_a_store_that_ignores_ranges_is_a_storage_error_not_wrong_bytes():
+    from luopan.errors import StorageError
+
+    class NoRanges(MemoryStore):
+        def get_range(self, key, offset, length):
+            return self.get(key)  # a server or proxy that answers a ranged GET with the whole object
+
+    store = NoRanges()
+    store.put("packs/ab/x.pack", b"0123456789")
+    out = memoryview(bytearray(4))
+    with pytest.raises(StorageError, match="does not honour ranged reads"):
+        store.read_into("packs/ab/x.pack", 3, out)
+    plain = MemoryStore()
+    plain.put("packs/ab/x.pack", b"0123456789")
+    assert plain.read_into("packs/ab/x.pack", 3, out) == 4 and bytes(out) == b"3456"

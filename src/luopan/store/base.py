@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from ..errors import InvalidNameError, ObjectTooLargeError
+from ..errors import InvalidNameError, ObjectTooLargeError, StorageError
 
 Buffer = Union[bytes, bytearray, memoryview]
 Data = Union[Buffer, Sequence[Buffer]]
@@ -111,6 +111,9 @@ class Store(abc.ABC):
     def read_into(self, key: str, offset: int, out: memoryview) -> int:
         """Read ``len(out)`` bytes at ``offset`` into ``out``; returns the number of bytes read (short at EOF)."""
         data = self.get_range(key, offset, len(out))
+        if len(data) > len(out):  # a server that ignored the range: never pass on bytes from elsewhere
+            raise StorageError(f"{key}: the store returned {len(data)} bytes for a read of {len(out)} at offset "
+                               f"{offset}; it does not honour ranged reads (check the server or proxy)")
         out[: len(data)] = data
         return len(data)
 

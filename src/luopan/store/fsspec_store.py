@@ -163,11 +163,6 @@ class FsspecStore(Store):
                 return b""
             raise
 
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        data = self.get_range(key, offset, len(out))
-        out[: len(data)] = data
-        return len(data)
-
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
         value = b"".join(as_parts(data))
