@@ -36,6 +36,17 @@ def sparse_saves(repo, emb, steps=3, **extra):
         repo.save("run", step, {"emb": emb, **extra})
 
 
+def flip_values_byte(root, repo, step, at=0, mask=0xFF):
+    """Damage byte ``at`` of the first values chunk of entry "emb"'s row delta at ``step``, in its pack."""
+    m = repo.manifest("run", step)
+    _h, p, off = m.entry("emb")["delta"]["values"][0][:3]
+    with open(os.path.join(root, "packs", m.packs[p][:2], m.packs[p] + ".pack"), "r+b") as f:
+        f.seek(off + at)
+        b = f.read(1)
+        f.seek(off + at)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def manifest_json(root, run, step):
     with open(os.path.join(root, "runs", run, "ckpt", f"{step:08d}.json"), "rb") as f:
         return unseal(inflate_json(f.read()))  # manifests may be zstd frames (§4)
@@ -237,14 +248,7 @@ def test_damaged_delta_values_are_detected(tmp_path):
         emb[scattered(10, step)] += 1
         repo.save("run", step, {"emb": emb})
         copies.append(emb.copy())
-    e = repo.manifest("run", 2).entry("emb")
-    _h, p, off = e["delta"]["values"][0][:3]
-    pack = repo.manifest("run", 2).packs[p]
-    with open(os.path.join(root, "packs", pack[:2], pack + ".pack"), "r+b") as f:
-        f.seek(off + 7)
-        b = f.read(1)
-        f.seek(off + 7)
-        f.write(bytes([b[0] ^ 1]))
+    flip_values_byte(root, repo, 2, at=7, mask=1)
     with pytest.raises(luopan.IntegrityError, match=r"entry 'emb \(row delta values\)'"):
         repo.load("run", 2)
     with pytest.raises(luopan.IntegrityError, match="row delta values"):
@@ -496,13 +500,7 @@ def test_a_damaged_patch_fails_every_base_chunk_with_its_typed_error(tmp_path):
     repo = open_repo(root)
     emb = table()
     sparse_saves(repo, emb)
-    m = repo.manifest("run", 2)
-    _h, p, off = m.entry("emb")["delta"]["values"][0][:3]
-    with open(os.path.join(root, "packs", m.packs[p][:2], m.packs[p] + ".pack"), "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_values_byte(root, repo, 2)
     jobs, _out, sizes = _delta_jobs_without_patch_jobs(repo, 2)
     with pytest.raises(luopan.IntegrityError, match=r"row delta values"):
         read_chunks(repo.store, jobs, sizes=sizes)
@@ -518,13 +516,7 @@ def test_load_into_with_a_damaged_patch_leaves_the_target_untouched(tmp_path):
     repo = open_repo(root)
     emb = table()
     sparse_saves(repo, emb, other=np.arange(1000.0))
-    m = repo.manifest("run", 2)
-    _h, p, off = m.entry("emb")["delta"]["values"][0][:3]
-    with open(os.path.join(root, "packs", m.packs[p][:2], m.packs[p] + ".pack"), "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_values_byte(root, repo, 2)
     target = {"emb": np.zeros((ROWS, DIM), np.float32), "other": np.zeros(1000)}
     with pytest.raises(luopan.IntegrityError, match=r"row delta values"):
         repo.load_into("run", target, step=2)
