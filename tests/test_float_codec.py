@@ -33,8 +33,10 @@ def weights(n, dtype, seed=0):
 
 
 def roundtrip(data, width, codings):
+    plain = bytegroup.encode(memoryview(data), width, codings, blobcodec.compressor(3), rotate=False)
+    assert plain[2] == 0 and bytes(bytegroup.decode(plain, len(data), "test")) == data  # transform 0
     blob = bytegroup.encode(memoryview(data), width, codings, blobcodec.compressor(3))
-    assert bytes(bytegroup.decode(blob, len(data), "test")) == data
+    assert blob[2] == bytegroup.ROTATE and bytes(bytegroup.decode(blob, len(data), "test")) == data
     frame = bytearray(b"\xa5" * (len(data) + 16))  # decoded in place into a caller's buffer: exactly its bytes
     out = memoryview(frame)[8 : 8 + len(data)]
     assert bytegroup.decode(blob, len(data), "test", out) is not None
@@ -56,7 +58,7 @@ def test_xor_delta_chunks_code_their_planes_with_fast_zstd(dtype, width):
     moved = (w.float() + torch.empty(300_000).normal_(0, 1e-5, generator=g)).to(dtype)
     xor = np.bitwise_xor(w.view(torch.uint8).numpy(), moved.view(torch.uint8).numpy()).tobytes()
     codec, stored = encode_blob(memoryview(xor), AUTO, width, fast=True)
-    assert codec == "bytegroup"
+    assert codec == "bytegroup" and stored[2] == 0  # split without the sign rotation
     codings = [struct.unpack_from("<BI", stored, 4 + 5 * j)[0] for j in range(width)]
     assert set(codings) <= {planes.RAW, planes.ZSTD} and planes.ZSTD in codings
     assert bytes(decode_blob(codec, stored, len(xor), "x")) == xor

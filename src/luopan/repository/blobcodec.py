@@ -39,7 +39,10 @@ NIBBLE_MIN_SHARE = 0.995
 # on the XOR of a mixed-precision fine-tune's bf16 weights 2 saves apart (4 MiB chunks, one core): the low plane
 # 3.5 ms for 37.2% of its size against 6.3 ms for 34.6% (deflate), the exponent plane 1.3 ms for 3.2% (the same as
 # zstd level 3). A full fine-tune writes such a chunk for every chunk it changes at every save, so its save time is
-# mostly this coding; weights stored in full keep the denser codings (P14 compares them with ZipNN).
+# mostly this coding; weights stored in full keep the denser codings (P14 compares them with ZipNN). XOR chunks
+# are also split without the sign rotation (transform 0): an XOR's sign bit is nearly always 0, so leaving it on top
+# of the exponent's XOR costs nothing, and the split and the decode skip three passes (same chunks: 20.2% -> 19.8%
+# of their size, planes coded in 4.5 instead of 5.0 ms).
 FAST_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, hash_log=8, min_match=7, search_log=1,
                                                   strategy=zstandard.STRATEGY_FAST)
 
@@ -77,10 +80,11 @@ def float_codings(view: memoryview | bytes, width: int, level: int, fast: bool =
     says the chunk would not shrink by AUTO_MIN_SAVING. A plane worth coding takes nibbles when 15 consecutive
     values hold nearly all of it (Huffman codes of nibble pairs: half the work, closer to the entropy); else
     deflate's Huffman codes of its bytes; zstd instead of either where the sample shows it does better (repetition).
-    With ``fast`` (XOR-delta chunks) every plane worth coding takes zstd (FAST_PARAMS)."""
+    With ``fast`` (XOR-delta chunks) every plane worth coding takes zstd (FAST_PARAMS), and the planes are not
+    rotated (transform 0)."""
     s = sample(view, width)
     m = len(s) // width
-    entropies, shares = bytegroup.plane_stats(s, width)
+    entropies, shares = bytegroup.plane_stats(s, width, rotate=not fast)
     coded = entropies <= m * (1 - PLANE_MIN_SAVING)  # the planes worth coding; the others are stored raw
     if m == 0 or float(np.where(coded, entropies, m).sum()) > len(s) * (1 - AUTO_MIN_SAVING):
         return None  # the chunk, as it would be stored, does not shrink enough
@@ -120,7 +124,7 @@ def encode_blob(view: memoryview, compression: Compression, itemsize: int = 0,
         if codings is None:
             return "none", view
         stored = bytegroup.encode(view, itemsize, codings,
-                                  fast_compressor() if fast else compressor(compression.level))
+                                  fast_compressor() if fast else compressor(compression.level), rotate=not fast)
         return ("bytegroup", memoryview(stored)) if len(stored) < len(view) else ("none", view)
     s = sample(view)
     z = compressor(compression.level).compress(s)

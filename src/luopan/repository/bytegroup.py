@@ -40,21 +40,28 @@ def _scratch(name: str, n: int, dtype: str) -> np.ndarray:
     return buf[:n]
 
 
-def _rotated(data: memoryview | bytes, width: int, r: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """The first ``len(data) // width`` elements rotated left by one bit, into ``r`` (``t``: scratch)."""
+def _rotated(data: memoryview | bytes, width: int, r: np.ndarray, t: np.ndarray, rotate: bool = True) -> np.ndarray:
+    """The first ``len(data) // width`` elements rotated left by one bit, into ``r`` (``t``: scratch); with
+    ``rotate`` False, copied as they are."""
     u = np.frombuffer(data, dtype=f"<u{width}", count=len(data) // width)
+    if not rotate:
+        np.copyto(r, u)
+        return r
     np.left_shift(u, 1, out=r)
     np.right_shift(u, 8 * width - 1, out=t)
     np.bitwise_or(r, t, out=r)
     return r
 
 
-def split(data: memoryview | bytes, width: int) -> list[np.ndarray]:
-    """The byte planes of the first ``len(data) // width`` elements, rotated (plane j = byte j of each element). The
-    planes live in this thread's scratch memory until its next call."""
+def split(data: memoryview | bytes, width: int, rotate: bool = True) -> list[np.ndarray]:
+    """The byte planes of the first ``len(data) // width`` elements, rotated unless ``rotate`` is False (plane j =
+    byte j of each element). The planes live in this thread's scratch memory until its next call."""
     m, dt = len(data) // width, f"<u{width}"
     r, t = _scratch("r", m, dt), _scratch("t", m, dt)
-    _rotated(data, width, r, t)
+    if rotate:
+        _rotated(data, width, r, t)
+    else:
+        r = np.frombuffer(data, dtype=dt, count=m)  # read as it is: no copy
     planes = []
     for j in range(width):
         p = _scratch(f"p{j}", m, "u1")
@@ -67,14 +74,14 @@ def split(data: memoryview | bytes, width: int) -> list[np.ndarray]:
     return planes
 
 
-def plane_stats(data: memoryview | bytes, width: int) -> tuple[np.ndarray, np.ndarray]:
+def plane_stats(data: memoryview | bytes, width: int, rotate: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """For each rotated byte plane of ``data`` (a small sample): its order-0 entropy in bytes (what a Huffman coder
     gets close to) and the share of its bytes that nibbles would code without an escape. One histogram for all
     planes (plane j's bytes counted at j*256 + value)."""
     m, dt = len(data) // width, f"<u{width}"
     if m == 0:
         return np.zeros(width), np.ones(width)
-    r = _rotated(data, width, np.empty(m, dt), np.empty(m, dt)).view(np.uint8).reshape(m, width)
+    r = _rotated(data, width, np.empty(m, dt), np.empty(m, dt), rotate).view(np.uint8).reshape(m, width)
     counts = np.bincount((r + np.arange(0, 256 * width, 256, dtype=np.uint16)).ravel(),
                          minlength=256 * width).reshape(width, 256)
     c = counts.astype(np.float64)
@@ -83,19 +90,20 @@ def plane_stats(data: memoryview | bytes, width: int) -> tuple[np.ndarray, np.nd
     return bits.sum(axis=1) / 8, np.array([best_base(row)[1] for row in counts])
 
 
-def encode(data: memoryview | bytes, width: int, codings: list[int], zstd: zstandard.ZstdCompressor) -> bytes:
+def encode(data: memoryview | bytes, width: int, codings: list[int], zstd: zstandard.ZstdCompressor,
+           rotate: bool = True) -> bytes:
     """The bytegroup blob of ``data``: plane j stored with ``codings[j]`` (planes.RAW, ZSTD, DEFLATE or NIBBLES),
-    each falling back to RAW where coding would not shrink it."""
+    each falling back to RAW where coding would not shrink it; transform 1 (rotate), or 0 with ``rotate`` False."""
     if width not in WIDTHS or len(codings) != width:
         raise ValueError(f"bytegroup width {width} with {len(codings)} codings")
     m = len(data) // width
     records, parts = [], []
-    for plane, coding in zip(split(data, width), codings):
+    for plane, coding in zip(split(data, width, rotate), codings):
         coding, stored = encode_plane(plane, coding, zstd)
         records.append(_PLANE.pack(coding, len(stored)))
         parts.append(stored)
     tail = bytes(data[m * width:])
-    return b"".join([_HEAD.pack(VERSION, width, ROTATE, 0), *records, *parts, tail])
+    return b"".join([_HEAD.pack(VERSION, width, ROTATE if rotate else 0, 0), *records, *parts, tail])
 
 
 def _bad(where: str, what: str) -> CorruptPackError:
