@@ -149,7 +149,7 @@ def test_export_and_diff(filled, tmp_path):
 
 def test_version_and_bad_option_values(tmp_path):
     r = cli("--version")
-    assert r.exit_code == 0 and "luopan 0.1.0" in r.output and "formats 1-5" in r.output
+    assert r.exit_code == 0 and "luopan 0.1.0" in r.output and "formats 1-6" in r.output
     r = cli("init", "-r", str(tmp_path / "x"), "--compression", "zstd:abc")
     assert r.exit_code == 1 and "zstd:LEVEL" in r.output and not (tmp_path / "x" / "luopan.json").exists()
     (tmp_path / "busy").mkdir()

@@ -53,6 +53,9 @@ def initial_state(seed):
         "odd": torch.randn(1500, 7, generator=g).to(torch.float16),  # 14-byte rows: 1170 rows a chunk
         "ids": torch.arange(3000, dtype=torch.int64) * 7919 % 1000,  # torch int64: 2 chunks
         "opt": {"step": 0, "lr": 1e-3},
+        # small entries the edits never touch: with them a manifest has enough entries to be stored in entry groups
+        # (docs/format.md §8.5) in repositories of version 6, unchanged ones shared from save to save
+        "frozen": {f"f{i:02d}": np.full(8, i, dtype=np.float32) for i in range(30)},
     }
 
 
@@ -253,6 +256,8 @@ class Session:
                     if self.events:
                         event(f"{self.config}: {form} entry")
             assert not ("delta" in e and "xor" in e)
+        if "groups" in m.doc:
+            FORMS["groups"] += 1
         return m
 
     def check_all(self):
@@ -317,6 +322,7 @@ def test_random_edit_sequences_load_exactly():
     FORMS.clear()
     _random_sequences()
     assert FORMS["delta"] and FORMS["xor"], FORMS  # the sequences did exercise both delta forms
+    assert FORMS["groups"], FORMS  # and manifests stored in entry groups
 
 
 PRUNED = collections.Counter()

@@ -22,7 +22,7 @@ from luopan.repository.pins import parse_pin
 from luopan.format.canonical import canonical, seal, unseal_file
 from luopan.format.config import RepoConfig
 from luopan.format.index import parse_index
-from luopan.format.manifest import _validator, parse_manifest
+from luopan.format.manifest import _validator, parse_manifest, structure_fingerprint
 from luopan.format.pack import HEADER, TRAILER_MAGIC, parse_trailer
 from luopan.format.refs import parse_ref
 from luopan.tree import unflatten
@@ -93,6 +93,20 @@ def check_xor_entry(entry: dict[str, Any]) -> None:
     assert len(m.entries[0]["xor"]["chunks"]) == len(m.entries[0]["chunks"]) == 2
 
 
+def check_group_blob(blob: dict[str, Any]) -> None:
+    """The §8.5 group blob, named by the §8 manifest in place of its entry 0, through the full manifest reader: the
+    rebuilt entries are the manifest's own."""
+    import blake3
+
+    doc = expand(json.loads(_sample_of("## 8.")))
+    raw = canonical(blob)
+    entries = doc.pop("entries")
+    doc.update(format_version=6, entries=entries[1:], fingerprint=structure_fingerprint(entries),
+               groups=[[blake3.blake3(raw).hexdigest(), 0, 16, len(raw), len(raw), "none", "0" * 32]])
+    m = parse_manifest(sealed(doc), "runs/run-a/ckpt/00000100.json", "run-a", 100, lambda _pack, _row: raw)
+    assert m.entries == entries
+
+
 def check_typed_nodes(nodes: list[dict[str, Any]]) -> None:
     """Each §8.3 node, inside a manifest's tree, through the manifest reader and the tree builder."""
     doc = expand(json.loads(_sample_of("## 8.")))
@@ -145,6 +159,8 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return check_manifest
     if heading.startswith("### 8.4"):
         return check_dcp_member
+    if heading.startswith("### 8.5"):
+        return check_group_blob
     if heading.startswith("### 8.3"):
         return check_typed_nodes
     if heading.startswith("### 8.2"):

@@ -10,6 +10,7 @@ from ..format.limits import MAX_RECORD_BYTES, MAX_SMALL_BYTES
 from ..format.manifest import parse_manifest
 from ..format.names import check_run, latest_ref_key, manifest_key, pin_key, record_key
 from ..format.refs import build_ref, parse_ref
+from ..repository.chunkio import blob_reader
 from ..repository.kinds import Catalog, Kind
 from ..store.base import KeyNotFound, Store
 from . import catalog
@@ -19,8 +20,8 @@ def _scan(store: Store, series: str | None, strays: bool) -> Catalog:
     return catalog.scan(store, series, strays=strays)
 
 
-def _parse(data: bytes, key: str, run: str, step: int) -> dict[str, Any]:
-    return parse_manifest(data, key, run, step).doc
+def _parse(data: bytes, key: str, run: str, step: int, store: Store | None = None) -> dict[str, Any]:
+    return parse_manifest(data, key, run, step, None if store is None else blob_reader(store, f"manifest {key}")).doc
 
 
 def _companions(run: str, step: int) -> list[tuple[str, int]]:

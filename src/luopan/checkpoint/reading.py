@@ -14,7 +14,7 @@ from ..errors import CheckpointNotFoundError, StateMismatchError
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import Manifest, parse_manifest
 from ..format.names import check_run, check_step, manifest_key
-from ..repository.chunkio import read_chunks
+from ..repository.chunkio import blob_reader, read_chunks
 from ..repository.core import RepositoryCore
 from ..store.base import KeyNotFound, Stray
 from ..tree import flatten, new_array, unflatten
@@ -75,7 +75,7 @@ class Reading(RepositoryCore):
             data = self.store.get_limited(key, MAX_MANIFEST_BYTES)
         except KeyNotFound:
             raise CheckpointNotFoundError(self._no_checkpoint(run, step)) from None
-        m = parse_manifest(data, key, run, step)
+        m = parse_manifest(data, key, run, step, blob_reader(self.store, f"manifest {key}"))
         return dataclasses.replace(m, xxh3_reads=True) if self.read_check == "xxh3" else m
 
     def _no_checkpoint(self, run: str, step: int | None = None) -> str:

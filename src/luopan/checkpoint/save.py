@@ -27,6 +27,7 @@ from ..repository.parallel import WORKERS, ordered_map
 from ..repository.blobcodec import encode_blob
 from ..repository.packwriter import PackChecker, PackWriter, exists_quietly
 from .commit import commit_manifest
+from .grouping import GroupStore
 from .request import SaveRequest
 from .writectx import SaveResult, WriteContext
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
@@ -66,12 +67,16 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
                           "(`luopan verify` reports the damage)", stacklevel=3)
             ctx.bad_bases.add(exc.chunk_hash)
             continue
-        doc = w.manifest()
-        return w.commit(doc)
+        try:
+            doc = w.manifest()
+        except BaseException:
+            w.abandon()  # its packs are not indexed yet: nothing can reference them
+            raise
+        return w.commit(doc, w.store_index(doc))
     raise LuopanError(f"run {req.run!r} step {req.step}: delta bases kept failing to read; run `luopan verify`")
 
 
-class _CheckpointWriter:
+class _CheckpointWriter(GroupStore):
     """One save in four stages: reuse unchanged entries, store the chunks the store lacks (packs, then the index
     file), build the manifest, commit it (then the ref)."""
 
@@ -245,9 +250,9 @@ class _CheckpointWriter:
         return self.itemsizes[target] if target < len(self.itemsizes) else 0
 
     def store_chunks(self) -> None:
-        """Hash every chunk on both cores, write those the store lacks into packs, then the index file naming
-        them. On failure before the index file is visible, the packs written are deleted again."""
-        store, known, writer = self.ctx.store, self.ctx.known, self.writer
+        """Hash every chunk on both cores and write those the store lacks into packs (their index file follows the
+        manifest's entry groups: ``store_index``). On failure the packs written are deleted again."""
+        known, writer = self.ctx.known, self.writer
         pool = ThreadPoolExecutor(WORKERS, "luopan-hash")
         try:
             with pool:
@@ -270,22 +275,40 @@ class _CheckpointWriter:
                     self.stored_by_target[i] = self.stored_by_target.get(i, 0) + len(stored)
                     crashpoint("chunk.written")
             writer.finish()
+        except BaseException:
+            self.abandon()
+            raise
+        self._located()
+
+    def _located(self) -> None:
+        for h, (builder, off, length, size, blob_codec) in self.new.items():
+            if h not in self.new_locations:
+                assert builder.pack_id is not None
+                self.new_locations[h] = BlobLocation(builder.pack_id, off, length, size, blob_codec)
+
+    def abandon(self) -> None:
+        self.writer.close()
+        # Once the index is visible (even if its put then failed, e.g. in the directory fsync) other writers may
+        # dedup against these packs: from then on they are left to garbage collection, never deleted here.
+        if self.index_name is None or not exists_quietly(self.ctx.store, self.index_name):
+            self.writer.discard()
+
+    def store_index(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Store the manifest's entry groups the store lacks (§8.5; a grouped manifest only), then the index file
+        naming every pack this save wrote. Returns the document to seal (``doc`` keeps its entries)."""
+        store, writer = self.ctx.store, self.writer
+        try:
+            file_doc = self.store_groups(doc)
             if writer.written:
                 index_id, index_bytes = build_index(
                     writer.written, compress=self.ctx.config.format_version >= ENGINE2_FORMAT_VERSION)
                 self.index_name = index_key(index_id)
                 store.put_if_absent(self.index_name, index_bytes)
         except BaseException:
-            writer.close()
-            # Once the index is visible (even if its put then failed, e.g. in the directory fsync) other writers may
-            # dedup against these packs: from then on they are left to garbage collection, never deleted here.
-            if self.index_name is None or not exists_quietly(store, self.index_name):
-                writer.discard()
+            self.abandon()
             raise
         writer.close()
-        for h, (builder, off, length, size, blob_codec) in self.new.items():
-            assert builder.pack_id is not None
-            self.new_locations[h] = BlobLocation(builder.pack_id, off, length, size, blob_codec)
+        return file_doc
 
     # -- stage 3 ----------------------------------------------------------------------------------------------
     def manifest(self) -> dict[str, Any]:
@@ -387,8 +410,9 @@ class _CheckpointWriter:
         return out
 
     # -- stage 4 ----------------------------------------------------------------------------------------------
-    def commit(self, doc: dict[str, Any]) -> SaveResult:
-        """Commit the manifest (the checkpoint exists from here on), then point the run's ref at it."""
-        mkey = commit_manifest(self.ctx.store, self.req.run, self.req.step, self.req.overwrite, doc,
+    def commit(self, doc: dict[str, Any], file_doc: dict[str, Any]) -> SaveResult:
+        """Commit the manifest (``file_doc``, the sealed form of ``doc``: the checkpoint exists from here on), then
+        point the run's ref at it."""
+        mkey = commit_manifest(self.ctx.store, self.req.run, self.req.step, self.req.overwrite, file_doc,
                                compress=self.ctx.config.format_version >= ENGINE2_FORMAT_VERSION)
         return SaveResult(mkey, doc, self.new_locations, self.index_name, self.tracks())

@@ -40,6 +40,8 @@ from .request import SaveRequest, check_json, entries_by_path, same_version, ten
 from .rowdelta import DeltaPolicy, RowTrack
 from .runrecord import RecordWriter, Run
 from .deltaplan import disk_tracks
+from .grouping import basis as grouping_basis
+from ..format.groups import GROUPS_FORMAT_VERSION
 from .save import write_checkpoint
 from .writectx import WriteContext
 from .staging import Staging
@@ -51,6 +53,7 @@ class Saving(RepositoryCore):
     def _init_saving(self, delta_policy: DeltaPolicy | None) -> None:
         self.delta_policy = delta_policy or DeltaPolicy()
         self._previous: dict[str, dict[str, dict[str, Any]]] = {}  # run -> path -> entry of its last save
+        self._grouping: dict[str, dict[str, dict[str, Any]]] = {}  # run -> what its next save groups by (§8.5)
         self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
         self._bad_bases: set[str] = set()  # chunks found damaged when read back as a delta base (§5.5)
         self._recorded: set[str] = set()  # runs whose record this process has written or found
@@ -73,6 +76,7 @@ class Saving(RepositoryCore):
         self._staging.release()
         self._versions.clear()
         self._tracks.clear()
+        self._grouping.clear()
         self._parts_rows.clear()
         super()._release()
 
@@ -314,7 +318,7 @@ class Saving(RepositoryCore):
         try:
             context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
                                    self._delta_tracks(plan.run), self.delta_policy, self._intact_packs,
-                                   self._bad_bases, started, stall, progress.advance)
+                                   self._bad_bases, started, stall, progress.advance, self._grouping_basis(plan.run))
             with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
                 result = write_checkpoint(context, plan)
         except BaseException:
@@ -322,6 +326,7 @@ class Saving(RepositoryCore):
             raise
         self.learned(result.new_locations, result.index_key)
         self._previous[plan.run] = entries_by_path(result.doc)
+        self._grouping[plan.run] = grouping_basis(result.doc)
         self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
         if self.tier is not None:
@@ -355,6 +360,16 @@ class Saving(RepositoryCore):
             return disk_tracks(self.manifest(run).doc, self.delta_policy)
         except (LuopanError, OSError):
             return {}  # no checkpoint yet, or an unreadable one: this save stores in full
+
+    def _grouping_basis(self, run: str) -> dict[str, dict[str, Any]]:
+        """The run's previous save's entries for grouping (§8.5): this process's last save, else the newest on disk
+        (a new process then shares the groups the last one wrote), else none."""
+        if run not in self._grouping and self.config.format_version >= GROUPS_FORMAT_VERSION:
+            try:
+                self._grouping[run] = grouping_basis(self.manifest(run).doc)
+            except (LuopanError, OSError):
+                self._grouping[run] = {}
+        return self._grouping.get(run, {})
 
     def _previous_rows(self, run: str) -> dict[str, dict[str, Any]]:
         """Chunk rows this process wrote for the run's last save, for XXH3 change detection. Rows read from disk

@@ -37,3 +37,5 @@ class WriteContext:
     started: float | None = None  # time.monotonic() of the save call: the manifest records the save's duration
     stall: float | None = None  # seconds save_async blocked its caller (None: a synchronous save, blocked throughout)
     progress: Callable[[int], None] | None = None  # called with the bytes of each chunk hashed
+    # path -> entry (rows naming pack ids) of the run's previous save: unchanged entries keep sharing entry groups (§8.5)
+    grouping: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -9,12 +9,14 @@ from ..errors import UnsupportedFormatError
 # The newest format_version this luopan reads. Each file is written with the oldest version that can describe it
 # (docs/format.md §1): config and index files are version 1; a manifest is version 2 only if it holds a row delta;
 # artifact manifests are version 3, and a repository holding any has a version-3 config (older luopan refuse it).
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 BASE_FORMAT_VERSION = 1
 # Storage engine v2 (docs/format.md §4, §5.2, §5.4, §6.1): row deltas with the writer's cycle hint, XOR deltas, the
 # float codec, compressed manifests and index files. A manifest using any of them says 5, as does a config whose
 # compression is "auto"; others keep their older version, so repositories that use none stay readable by older luopan.
 ENGINE2_FORMAT_VERSION = 5
+# Entry groups (docs/format.md §8.5): checkpoint manifests that keep their unchanged entries in content-addressed
+# blobs; a repository created with "auto" compression says 6 (luopan.format.groups.GROUPS_FORMAT_VERSION).
 
 
 def refuse_newer(obj: dict[str, Any], where: str) -> None:

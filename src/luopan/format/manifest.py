@@ -16,6 +16,7 @@ from ..errors import CorruptManifestError
 from .. import typed
 from ..tree import itemsize
 from . import ENGINE2_FORMAT_VERSION, refuse_newer
+from .groups import GROUPS_FORMAT_VERSION, ReadBlob, expand
 from .canonical import SealError, canonical, compress_json, digest, inflate_json, parse_object, seal, verify_seal
 from .limits import MAX_MANIFEST_BYTES, MAX_NBYTES, MAX_NDIM, shape_fits
 
@@ -111,20 +112,30 @@ def seal_manifest(doc: dict[str, Any], compress: bool = False) -> bytes:
     return compress_json(data) if compress else data
 
 
-def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | None = None) -> Manifest:
-    """Parse and fully validate manifest bytes read from ``where``; typed errors name the file."""
+def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | None = None,
+                   read: ReadBlob | None = None) -> Manifest:
+    """Parse and fully validate manifest bytes read from ``where``; typed errors name the file. A grouped manifest
+    (§8.5) has its entry groups read through ``read`` and expanded: the document has ``entries`` either way."""
     try:
         obj = parse_object(inflate_json(data, MAX_MANIFEST_BYTES))
         refuse_newer(obj, where)
         doc = verify_seal(obj)
     except SealError as exc:
         raise CorruptManifestError(f"manifest {where} is damaged: {exc}") from None
+    if "groups" in doc:
+        if not isinstance(doc.get("format_version"), int) or doc["format_version"] < GROUPS_FORMAT_VERSION:
+            raise CorruptManifestError(f"manifest {where} has entry groups, which its format_version "
+                                       f"{str(doc.get('format_version'))[:20]} lacks")
+        expand(doc, read, where)
     try:
         _validator()(doc)
     except JsonSchemaException as e:
         raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
     except RecursionError:
         raise CorruptManifestError(f"manifest {where}: its tree is nested too deeply") from None
+    if "groups" in doc and structure_fingerprint(doc["entries"]) != doc["fingerprint"]:  # as the writer listed them
+        raise CorruptManifestError(f"manifest {where}: its entries, rebuilt from its entry groups, do not match "
+                                   "its fingerprint")
     _check_consistency(doc, where)
     if run is not None and (doc["run"], doc["step"]) != (run, step):
         raise CorruptManifestError(
@@ -156,6 +167,11 @@ def stored_rows(entry: dict[str, Any]) -> list[list[Any]]:
     any XOR delta's chunks."""
     d = entry.get("delta", {})
     return entry.get("chunks", []) + d.get("index", []) + d.get("values", []) + entry.get("xor", {}).get("chunks", [])
+
+
+def manifest_rows(doc: dict[str, Any]) -> list[Row]:
+    """Every chunk row a parsed manifest document names: its entries' rows, then its entry groups' (§8.5)."""
+    return [r for e in doc["entries"] for r in rows_of(e)] + [Row._make(r) for r in doc.get("groups", [])]
 
 
 def uses_new_codecs(entries: list[dict[str, Any]]) -> bool:
@@ -197,6 +213,7 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
     if created is None or created.utcoffset() is None:
         raise bad(f"created time {doc['created'][:40]!r} is not an ISO-8601 time with a timezone")
     npacks = len(doc["packs"])
+    chunk_bytes(doc.get("groups", []), npacks, "(entry groups)", bad)
     entries = doc["entries"]
     for i, e in enumerate(entries):
         path = e["path"]

@@ -42,7 +42,7 @@ def _scan(store: Store, name: str | None, strays: bool) -> Catalog:
     return scan(store, name, strays)
 
 
-def _parse(data: bytes, key: str, name: str | None, version: int | None) -> dict[str, Any]:
+def _parse(data: bytes, key: str, name: str | None, version: int | None, _store: object = None) -> dict[str, Any]:
     return parse_index_manifest(data, key, name, version)
 
 

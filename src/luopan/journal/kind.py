@@ -34,7 +34,7 @@ def scan(store: Store, name: str | None, strays: bool) -> Catalog:
                          what="a journal snapshot manifest (journals/<name>/_v/<seq:08d>.json) or log file")
 
 
-def _parse(data: bytes, key: str, name: str | None, seq: int | None) -> dict[str, Any]:
+def _parse(data: bytes, key: str, name: str | None, seq: int | None, _store: object = None) -> dict[str, Any]:
     return parse_snapshot_manifest(data, key, name, seq)
 
 

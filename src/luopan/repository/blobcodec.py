@@ -108,6 +108,12 @@ def _zstd(view: memoryview | bytes, level: int) -> tuple[str, memoryview | bytes
     return ("zstd", memoryview(z)) if len(z) < len(view) else ("none", view)
 
 
+def zstd_blob(view: memoryview | bytes, level: int = 3) -> tuple[str, memoryview | bytes]:
+    """("zstd", frame) when one zstd frame is smaller, else ("none", view): whatever the repository's compression
+    (a manifest's entry groups are always compressed, as manifests are: docs/format.md §8.5)."""
+    return _zstd(view, level)
+
+
 def encode_blob(view: memoryview, compression: Compression, itemsize: int = 0,
                 fast: bool = False) -> tuple[str, memoryview]:
     """(codec, stored bytes) for one chunk. ``itemsize`` is the width of the chunk's elements when they are known to

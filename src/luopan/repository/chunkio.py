@@ -121,6 +121,17 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | 
         raise IntegrityError(f"hash mismatch: {ref.where()} reads as {actual[:16]}…; the stored bytes are damaged")
 
 
+def blob_reader(store: Store, owner: str) -> Callable[[str, list[Any]], bytes]:
+    """Reads the blob of one chunk row whole, checked against its BLAKE3 address: a manifest's entry groups
+    (docs/format.md §8.5). Missing or damaged packs raise the typed errors of ``read_chunk``."""
+    def read(pack: str, row: list[Any]) -> bytes:
+        out = bytearray(row[4])  # the row's size, bounded by the caller
+        read_chunk(store, ChunkRef(owner, "(entry group)", 0, row[0], pack, row[2], row[3], row[4], row[5]),
+                   memoryview(out))
+        return bytes(out)
+    return read
+
+
 def read_chunks(store: Store, jobs: list[Any], *, via_scratch: bool = False, sizes: PackSizes | None = None) -> None:
     """Read and verify many chunks on both cores, each straight into its destination.
 

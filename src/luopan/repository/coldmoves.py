@@ -51,7 +51,8 @@ def _move(tier: Tier, item: Item, now: datetime, dry_run: bool) -> bool:
     hot: list[Store] = [t for t in (tier.local, tier.remote) if t is not None and t.exists(item.key)]
     if not hot:
         return False
-    doc = item.kind.parse(tier.store.get_limited(item.key, MAX_MANIFEST_BYTES), item.key, item.series, item.number)
+    doc = item.kind.parse(tier.store.get_limited(item.key, MAX_MANIFEST_BYTES), item.key, item.series, item.number,
+                          tier.store)
     if (now - parse_time(doc["created"])).total_seconds() < tier.cold.seconds:
         return False
     if dry_run:

@@ -153,7 +153,7 @@ class RepositoryCore:
 
     def read_manifest(self, kind: Kind, series: str, number: int) -> dict[str, Any]:
         key = kind.manifest_key(series, number)
-        return kind.parse(self.store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number)
+        return kind.parse(self.store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number, self.store)
 
     # -- maintenance ----------------------------------------------------------------------------------------------
     def gc(self, *, grace: float | None = None, repack_below: float | None = None, dry_run: bool = False,

@@ -98,7 +98,7 @@ def mark_sources(store: Store, kinds: tuple[Kind, ...]) -> tuple[list[Marked], l
             key = kind.manifest_key(series, number)
             try:
                 out.append(Marked(kind, series, number, key,
-                                  kind.parse(store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number)))
+                                  kind.parse(store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number, store)))
             except KeyNotFound:
                 continue  # pruned since the listing
             except (IntegrityError, StorageError, UnsupportedFormatError) as exc:
@@ -107,7 +107,7 @@ def mark_sources(store: Store, kinds: tuple[Kind, ...]) -> tuple[list[Marked], l
                               f"it (`luopan prune`, or delete {key}), then run gc again") from None
         for key in cat.shadows:
             try:
-                shadows.append(kind.parse(store.get_limited(key, MAX_MANIFEST_BYTES), key, None, None))
+                shadows.append(kind.parse(store.get_limited(key, MAX_MANIFEST_BYTES), key, None, None, store))
             except (IntegrityError, StorageError, UnsupportedFormatError, KeyNotFound):
                 continue  # not a readable manifest: it references nothing
     return out, shadows

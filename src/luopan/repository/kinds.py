@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.config import RepoConfig
-from ..format.manifest import rows_of
+from ..format.manifest import manifest_rows
 from ..format.names import step_from_manifest_key
 from ..store.base import Store, Stray
 
@@ -58,8 +58,10 @@ class Kind:
     manifest_key: Callable[[str, int], str]
     # (store, series or None, strays) -> Catalog: the one walk that finds committed manifests of this kind
     scan: Callable[[Store, str | None, bool], Catalog]
-    # (data, key, series, number) -> parsed manifest document (sealed, validated; raises IntegrityError kinds)
-    parse: Callable[[bytes, str, str, int], dict[str, Any]]
+    # (data, key, series, number, store) -> parsed manifest document (sealed, validated; raises IntegrityError
+    # kinds). ``store`` (optional) is where the manifest lives: a grouped checkpoint manifest (§8.5) reads its entry
+    # groups from there; without it such a manifest is refused.
+    parse: Callable[..., dict[str, Any]]
     pin_key: Callable[[str, int], str]
     check_series: Callable[[str], str]  # raises InvalidNameError for a bad series name
     # Other small files replicated with a manifest, before it: (key, size cap) (a run's record, the pin)
@@ -124,9 +126,8 @@ def rows_by_pack(doc: dict[str, Any]) -> dict[str, dict[str, tuple[int, int, int
     """pack id -> chunk hash -> (offset, length, size, codec) of every chunk row a manifest document names."""
     packs = doc["packs"]
     out: dict[str, dict[str, tuple[int, int, int, str]]] = {}
-    for e in doc["entries"]:
-        for r in rows_of(e):
-            out.setdefault(packs[r.pack], {})[r.hash] = (r.offset, r.length, r.size, r.codec)
+    for r in manifest_rows(doc):  # entries' rows and entry groups' (§8.5)
+        out.setdefault(packs[r.pack], {})[r.hash] = (r.offset, r.length, r.size, r.codec)
     return out
 
 

@@ -10,7 +10,7 @@ import blake3
 
 from ..errors import CorruptPackError, StorageError
 from ..format.canonical import canonical
-from ..format.manifest import Row, rows_of, stored_rows
+from ..format.manifest import Row, manifest_rows, stored_rows
 from ..format.names import pack_key
 from ..format.pack import PackBuilder, PackFormatError
 from ..store.base import KeyNotFound, Store
@@ -89,9 +89,12 @@ def repack(store: Store, pack_size: int, sparse: list[str], live: dict[str, dict
 def relocated(doc: dict[str, Any], moved: Moved) -> dict[str, Any] | None:
     """A copy of manifest ``doc`` with rows in moved packs pointing at their new locations (None if none moved)."""
     old_packs = doc["packs"]
-    if not any((old_packs[r.pack], r.hash) in moved for e in doc["entries"] for r in rows_of(e)):
+    if not any((old_packs[r.pack], r.hash) in moved for r in manifest_rows(doc)):
         return None
     new = _deep_copy(doc)
+    # A grouped manifest (§8.5) is rewritten with its entries inline: its groups' rows name the old locations, and
+    # the document already holds every entry expanded.
+    new.pop("groups", None)
     packs: dict[str, int] = {}
     for e in new["entries"]:
         for raw in stored_rows(e):  # updated in place: the positions of Row's fields

@@ -149,7 +149,7 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
         data = src.get_limited(mkey, MAX_MANIFEST_BYTES)
     except KeyNotFound:
         return None
-    doc = kind.parse(data, mkey, series, number)  # never copy a damaged manifest
+    doc = kind.parse(data, mkey, series, number, src)  # never copy a damaged manifest
     packs = list(dict.fromkeys(doc["packs"]))
     for pack_id in packs:
         if gate is not None:

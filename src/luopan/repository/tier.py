@@ -324,7 +324,7 @@ class Tier:
     def _retention_input(self, item: Item, pins: dict[int, dict[str, Any]]) -> Checkpoint | None:
         """The manifest as retention rules see it (any kind: ``created``, maybe ``metrics``); None if unreadable."""
         try:
-            doc = item.kind.parse(self.local.get_limited(item.key, MAX_MANIFEST_BYTES), item.key, *item[1:])
+            doc = item.kind.parse(self.local.get_limited(item.key, MAX_MANIFEST_BYTES), item.key, *item[1:], self.store)
             tag = pins.get(item.number, {}).get("tag")
             return Checkpoint(step=item.number, created=parse_time(doc["created"]),
                               metrics=decode_metrics(doc.get("metrics") or {}), pinned=item.number in pins,

@@ -43,7 +43,7 @@ def as_problem(exc: Exception) -> LuopanError:
 
 def manifest_chunk_refs(kind: Kind, series: str, number: int, doc: dict[str, Any]) -> Iterator[ChunkRef]:
     """Every chunk a manifest document needs: each entry's chunks, a row delta's index and values, an XOR delta's
-    chunks."""
+    chunks, and its entry groups' blobs."""
     owner = kind.label(series, number)
     packs = doc["packs"]
     for e in doc["entries"]:
@@ -55,6 +55,8 @@ def manifest_chunk_refs(kind: Kind, series: str, number: int, doc: dict[str, Any
         for path, rows in parts:
             for n, r in enumerate(map(Row._make, rows)):
                 yield ChunkRef(owner, path, n, r.hash, packs[r.pack], r.offset, r.length, r.size, r.codec)
+    for n, r in enumerate(map(Row._make, doc.get("groups", []))):  # a grouped manifest's entry groups (§8.5)
+        yield ChunkRef(owner, "(entry groups)", n, r.hash, packs[r.pack], r.offset, r.length, r.size, r.codec)
 
 
 def verify_manifests(store: Store, read: Callable[[Kind, str, int], dict[str, Any]],

@@ -1,0 +1,97 @@
+"""A save's entry groups (docs/format.md §8.5): which group blobs its manifest names, and the manifest file that
+names them instead of listing its entries inline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import blake3
+import xxhash
+
+from ..format.config import RepoConfig
+from ..format.groups import GROUP_MIN_ENTRIES, GROUPS_FORMAT_VERSION, group_blob, plan_groups, with_pack_ids
+from ..format.pack import BlobLocation, PackBuilder
+from ..repository.blobcodec import zstd_blob
+from ..repository.packwriter import PackChecker, PackWriter
+from .writectx import WriteContext
+
+GROUP_LEVEL = 9  # zstd level of group blobs: a few KiB each, coded once and named by many manifests (as manifests: §4)
+
+
+def wants_groups(config: RepoConfig, doc: dict[str, Any]) -> bool:
+    """Whether this manifest is stored grouped: a repository of format_version 6 or later, and enough entries that
+    what repeats outweighs the group rows (small manifests stay inline, as before)."""
+    return config.format_version >= GROUPS_FORMAT_VERSION and len(doc["entries"]) >= GROUP_MIN_ENTRIES
+
+
+def group_blobs(doc: dict[str, Any], previous: dict[str, dict[str, Any]]) -> list[tuple[str, bytes, str, list[int]]]:
+    """(BLAKE3, raw bytes, XXH3-128, entry indices) of each group blob of ``doc`` (an inline manifest document), in
+    order; ``previous`` is the run's previous save's entries by path with rows naming pack ids (:func:`basis`)."""
+    entries, packs = doc["entries"], doc["packs"]
+    out = []
+    for group in plan_groups(entries, packs, previous):
+        raw = group_blob([(i, entries[i]) for i in group], packs)
+        out.append((blake3.blake3(raw).hexdigest(), raw, xxhash.xxh3_128_hexdigest(raw), group))
+    return out
+
+
+def apply_groups(doc: dict[str, Any], rows: list[tuple[str, BlobLocation, str]],
+                 grouped: set[int]) -> dict[str, Any]:
+    """Make ``doc`` name its groups (``rows``: hash, location, XXH3-128 of each blob, in order; ``grouped``: the
+    entry indices they hold) and return the document to seal: the same with only the other entries inline. ``doc``
+    keeps all its entries, as a parsed grouped manifest does."""
+    packs = doc["packs"]
+    index = {p: i for i, p in enumerate(packs)}
+    groups = []
+    for h, loc, x in rows:
+        p = index.setdefault(loc.pack, len(index))
+        if p == len(packs):
+            packs.append(loc.pack)
+        groups.append([h, p, loc.offset, loc.length, loc.size, loc.codec, x])
+    doc["groups"] = groups
+    doc["format_version"] = max(doc["format_version"], GROUPS_FORMAT_VERSION)
+    return {**doc, "entries": [e for i, e in enumerate(doc["entries"]) if i not in grouped]}
+
+
+def basis(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What the next save compares its entries with to keep unchanged ones in shared groups: ``doc``'s entries by
+    path, rows naming pack ids. Only the grouping depends on it, never what a reader gets, so one read from disk
+    is as good as one this process wrote."""
+    packs = doc["packs"]
+    return {e["path"]: with_pack_ids(e, packs) for e in doc["entries"]}
+
+
+class GroupStore:
+    """The save pipeline's step that stores a manifest's entry groups (part of save._CheckpointWriter)."""
+
+    ctx: WriteContext
+    writer: PackWriter
+    checker: PackChecker
+    new: dict[str, tuple[PackBuilder, int, int, int, str]]
+    new_locations: dict[str, BlobLocation]
+    new_bytes: int
+
+    def _located(self) -> None:  # the writer's: record where its new chunks landed once their packs are written
+        raise NotImplementedError
+
+    def store_groups(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Write the group blobs of ``doc`` the store lacks (into a pack after the data packs: their rows name those)
+        and return the document to seal; ``doc`` itself when it is not grouped. Counts them in ``doc``'s stats."""
+        blobs = group_blobs(doc, self.ctx.grouping) if wants_groups(self.ctx.config, doc) else []
+        if not blobs:
+            return doc
+        for h, raw, _x, _members in blobs:
+            loc = self.new_locations.get(h) or self.ctx.known.get(h)
+            if loc is None or (h not in self.new_locations and not self.checker.reusable(loc)):
+                codec, stored = zstd_blob(raw, GROUP_LEVEL)
+                builder, off = self.writer.add(h, memoryview(stored), len(raw), codec)
+                self.new[h] = (builder, off, len(stored), len(raw), codec)
+                self.new_bytes += len(raw)
+        self.writer.finish()
+        self._located()
+        rows = [(h, self.new_locations.get(h) or self.ctx.known[h], x) for h, _raw, x, _m in blobs]
+        file_doc = apply_groups(doc, rows, {i for b in blobs for i in b[3]})
+        doc["stats"].update(chunks=doc["stats"]["chunks"] + len(rows), new_chunks=len(self.new),
+                            new_bytes=self.new_bytes, stored_bytes=self.writer.stored_bytes,
+                            new_packs=len(self.writer.written))
+        return file_doc

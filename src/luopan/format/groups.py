@@ -1,0 +1,193 @@
+"""Entry groups (docs/format.md §8.5, format_version 6): a checkpoint manifest's entries stored as content-addressed
+blobs in packs, so the entries that did not change since the previous save are not stored again.
+
+A grouped manifest lists ``groups`` (chunk rows of group blobs) besides the ``entries`` it keeps inline. A group
+blob is the canonical JSON ``{"entries": [[index, entry], ...], "packs": [pack id, ...]}`` whose entries' chunk rows name packs by index
+into the group's own ``packs``: a group depends only on its entries, not on the manifest around it, so the next
+save that has the same entries at the same indices produces the same bytes, the same BLAKE3 address, and finds it
+already stored. Readers expand the groups when they parse a manifest (:func:`expand`), so everything after parsing
+sees the entries inline.
+
+Writers (:func:`plan_groups`) group the entries that did not change since the previous save, cut at entries whose
+path hashes to a cut point (content-defined), so a change to one entry rewrites one small group, not the ones after
+it; the changed entries stay inline.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import blake3
+
+from ..errors import CorruptManifestError
+from .canonical import canonical
+from .limits import MAX_MANIFEST_BYTES
+from .names import is_hex64
+
+GROUPS_FORMAT_VERSION = 6
+GROUP_MIN_ENTRIES = 32  # a manifest with fewer entries stays inline: its groups would save little
+GROUP_MAX_ENTRIES = 256  # a group ends after this many entries even without a cut point
+CUT_MODULUS = 32  # a group also ends after an entry whose path's BLAKE3 is 0 modulo this: ~32 entries a group
+MAX_GROUP_BYTES = 64 << 20  # the largest group blob (raw JSON) a reader accepts
+
+# (pack id, chunk row) -> the blob's raw bytes, verified against the row's BLAKE3 address (repository.chunkio)
+ReadBlob = Callable[[str, list[Any]], bytes]
+
+_ROW_MEMBERS = (("chunks",), ("delta", "index"), ("delta", "values"), ("xor", "chunks"))
+
+
+def map_rows(entry: dict[str, Any], pack: Callable[[Any], int]) -> dict[str, Any]:
+    """A copy of ``entry`` whose chunk rows (its chunks, row delta and XOR delta) name pack ``pack(old index)``.
+    The entry itself is not changed. TypeError/KeyError/IndexError on a malformed entry."""
+    out = dict(entry)
+    for path in _ROW_MEMBERS:
+        holder: Any = out
+        if len(path) == 2:
+            if path[0] not in out:
+                continue
+            if not isinstance(out[path[0]], dict):
+                raise TypeError(f"{path[0]} is not an object")
+            holder = out[path[0]] = dict(out[path[0]])
+        rows = holder.get(path[-1])
+        if rows is None:
+            continue
+        holder[path[-1]] = [[r[0], pack(r[1]), *r[2:]] for r in rows]
+    return out
+
+
+def group_blob(members: list[tuple[int, dict[str, Any]]], packs: list[str]) -> bytes:
+    """The raw bytes of one group: ``members`` are (index, entry) with rows naming ``packs`` (the manifest's)."""
+    local: dict[str, int] = {}
+    rows = [[i, map_rows(e, lambda p: local.setdefault(packs[p], len(local)))] for i, e in members]
+    return canonical({"entries": rows, "packs": list(local)})
+
+
+def _cut_after(path: str) -> bool:
+    return blake3.blake3(path.encode("utf-8", "surrogatepass")).digest()[0] % CUT_MODULUS == 0
+
+
+def plan_groups(entries: list[dict[str, Any]], packs: list[str], previous: dict[str, dict[str, Any]]) -> list[list[int]]:
+    """Entry indices of each group to write for ``entries`` (rows naming ``packs``, the manifest's): the entries
+    equal to the previous save's entry of the same path (``previous``: path -> entry with rows naming pack ids, see
+    :func:`with_pack_ids`), cut at content-defined points. The others stay inline in the manifest: they changed, so
+    a group of them would most likely not be named again, and inline they compress with the whole manifest.
+    Deterministic: the same unchanged entries give the same groups, and so the same blobs. Which group an entry
+    lands in never changes what a reader gets, only what the next save can share."""
+    out: list[list[int]] = []
+    group: list[int] = []
+    for i, e in enumerate(entries):
+        before = previous.get(e["path"])
+        if before is None or map_rows(e, packs.__getitem__) != before:
+            continue
+        group.append(i)
+        if len(group) >= GROUP_MAX_ENTRIES or _cut_after(e["path"]):
+            out.append(group)
+            group = []
+    if group:
+        out.append(group)
+    return out
+
+
+def with_pack_ids(entry: dict[str, Any], packs: list[str]) -> dict[str, Any]:
+    """``entry`` with its rows naming pack ids instead of indices (how :func:`plan_groups` compares entries)."""
+    return map_rows(entry, packs.__getitem__)
+
+
+class _Cache:
+    """Verified group blobs by BLAKE3 address: a run's manifests share most of their groups, so listing or
+    collecting many of them reads each group once. Content-addressed, so safe across repositories."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.blobs: OrderedDict[str, bytes] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, h: str) -> bytes | None:
+        with self.lock:
+            data = self.blobs.get(h)
+            if data is not None:
+                self.blobs.move_to_end(h)
+            return data
+
+    def put(self, h: str, data: bytes) -> None:
+        with self.lock:
+            if h in self.blobs or len(data) > self.limit:
+                return
+            self.blobs[h] = data
+            self.size += len(data)
+            while self.size > self.limit:
+                _h, old = self.blobs.popitem(last=False)
+                self.size -= len(old)
+
+
+CACHE = _Cache(64 << 20)
+
+
+def expand(doc: dict[str, Any], read: ReadBlob | None, where: str) -> None:
+    """Rebuild a grouped manifest document's full ``entries`` in place: the groups' entries at their indices, the
+    manifest's own (inline) ``entries`` in the indices left, in order (``groups`` stays, as the rows gc and
+    replication follow). Checks everything about the groups that the schema cannot see once they are inline:
+    well-formed rows and blobs, no index given twice or out of range, every pack a group names listed by the
+    manifest. CorruptManifestError otherwise; the reader's own typed errors (a missing or damaged pack) pass."""
+    groups = doc.get("groups")
+    if groups is None:
+        return
+
+    def bad(msg: str) -> CorruptManifestError:
+        return CorruptManifestError(f"manifest {where}: {msg}")
+
+    if read is None:
+        raise bad("names entry groups, which only a reader with the repository can expand")
+    packs, inline = doc.get("packs"), doc.get("entries", [])
+    if not isinstance(groups, list) or not isinstance(packs, list) or not isinstance(inline, list):
+        raise bad("its groups, entries or packs are not lists")
+    index = {p: i for i, p in enumerate(packs) if isinstance(p, str)}
+    entries: dict[int, dict[str, Any]] = {}
+    total = 0
+    for row in groups:
+        if not (isinstance(row, list) and len(row) == 7 and is_hex64(row[0]) and type(row[1]) is int
+                and 0 <= row[1] < len(packs) and type(row[4]) is int and 0 < row[4] <= MAX_GROUP_BYTES
+                and row[5] in ("none", "zstd") and isinstance(packs[row[1]], str)):
+            raise bad(f"entry group row {str(row)[:120]} is malformed (or its group exceeds {MAX_GROUP_BYTES} bytes)")
+        total += row[4]
+        if total > MAX_MANIFEST_BYTES:
+            raise bad(f"its entry groups hold more than {MAX_MANIFEST_BYTES} bytes")
+        data = CACHE.get(row[0])
+        if data is None:
+            data = read(packs[row[1]], row)
+            if blake3.blake3(data).hexdigest() != row[0]:  # the reader checks too: never trust one that forgot
+                raise bad(f"entry group {row[0][:16]}… does not hash to its address")
+            CACHE.put(row[0], data)
+        try:
+            blob = json.loads(data)
+            local = blob["packs"]
+            if set(blob) != {"entries", "packs"} or not isinstance(local, list) or not isinstance(blob["entries"], list):
+                raise TypeError("not a group")
+            to_manifest = [index[p] for p in local]
+
+            def pack(i: Any, to_manifest: list[int] = to_manifest) -> int:
+                if type(i) is not int or not 0 <= i < len(to_manifest):
+                    raise IndexError(i)
+                return to_manifest[i]
+
+            for i, e in blob["entries"]:
+                if type(i) is not int or not isinstance(e, dict) or i in entries or not 0 <= i < (1 << 40):
+                    raise TypeError(f"entry index {str(i)[:20]} repeated or invalid")
+                entries[i] = map_rows(e, pack)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise bad(f"entry group {row[0][:16]}… is malformed ({type(exc).__name__}: {str(exc)[:80]})") from None
+    n = len(entries) + len(inline)
+    if entries and max(entries) >= n:
+        raise bad(f"its entry groups name entry {max(entries)} of {n}")
+    rest = iter(inline)
+    doc["entries"] = [entries[i] if i in entries else next(rest) for i in range(n)]
+
+
+def group_rows(doc: dict[str, Any]) -> list[list[Any]]:
+    """The chunk rows of a parsed manifest's entry groups (empty for an inline one)."""
+    return doc.get("groups", [])
