@@ -9,7 +9,9 @@ import blake3
 import xxhash
 
 from ..format.config import RepoConfig
-from ..format.groups import GROUP_MIN_ENTRIES, GROUPS_FORMAT_VERSION, group_blob, plan_groups, with_pack_ids
+from ..format.groups import (GROUP_MIN_ENTRIES, GROUPS_FORMAT_VERSION, MAX_GROUP_BYTES, group_blob, plan_groups,
+                             with_pack_ids)
+from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.pack import BlobLocation, PackBuilder
 from ..repository.blobcodec import zstd_blob
 from ..repository.packwriter import PackChecker, PackWriter
@@ -78,8 +80,9 @@ class GroupStore:
         """Write the group blobs of ``doc`` the store lacks (into a pack after the data packs: their rows name those)
         and return the document to seal; ``doc`` itself when it is not grouped. Counts them in ``doc``'s stats."""
         blobs = group_blobs(doc, self.ctx.grouping) if wants_groups(self.ctx.config, doc) else []
-        if not blobs:
-            return doc
+        sizes = [len(b[1]) for b in blobs]
+        if not blobs or max(sizes) > MAX_GROUP_BYTES or sum(sizes) > MAX_MANIFEST_BYTES:
+            return doc  # none, or what a reader would refuse (plan_groups keeps far below): inline, as before
         for h, raw, _x, _members in blobs:
             loc = self.new_locations.get(h) or self.ctx.known.get(h)
             if loc is None or (h not in self.new_locations and not self.checker.reusable(loc)):

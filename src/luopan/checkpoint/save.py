@@ -308,6 +308,11 @@ class _CheckpointWriter(GroupStore):
             self.abandon()
             raise
         writer.close()
+        if self.ctx.started is not None:  # sealed with the manifest: its commit follows at once (§8)
+            took = max(0.0, time.monotonic() - self.ctx.started)
+            stall = took if self.ctx.stall is None else min(took, max(0.0, self.ctx.stall))
+            # ints: older readers accept them; file_doc shares doc's stats
+            doc["stats"].update(save_us=round(took * 1e6), stall_us=round(stall * 1e6))
         return file_doc
 
     # -- stage 3 ----------------------------------------------------------------------------------------------
@@ -361,10 +366,6 @@ class _CheckpointWriter(GroupStore):
                 "new_packs": len(self.writer.written),
             },
         }
-        if self.ctx.started is not None:  # sealed with the manifest: its commit follows at once (§8)
-            took = max(0.0, time.monotonic() - self.ctx.started)
-            stall = took if self.ctx.stall is None else min(took, max(0.0, self.ctx.stall))
-            doc["stats"].update(save_us=round(took * 1e6), stall_us=round(stall * 1e6))  # ints: older readers accept them
         code = code_version()
         if code is not None:
             doc["code"] = code

@@ -19,20 +19,24 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import blake3
 
 from ..errors import CorruptManifestError
-from .canonical import canonical
+from .canonical import SealError, canonical, parse_object
+from .kindmanifest import chunk_row_ok
 from .limits import MAX_MANIFEST_BYTES
-from .names import is_hex64
 
 GROUPS_FORMAT_VERSION = 6
 GROUP_MIN_ENTRIES = 32  # a manifest with fewer entries stays inline: its groups would save little
 GROUP_MAX_ENTRIES = 256  # a group ends after this many entries even without a cut point
 CUT_MODULUS = 32  # a group also ends after an entry whose path's BLAKE3 is 0 modulo this: ~32 entries a group
 MAX_GROUP_BYTES = 64 << 20  # the largest group blob (raw JSON) a reader accepts
+# A group also ends before its estimated JSON would pass this, and an entry estimated larger stays inline, so no blob a
+# writer makes comes near MAX_GROUP_BYTES (a frozen 7B base with small chunks has entries of megabytes of rows).
+GROUP_TARGET_BYTES = 16 << 20
 
 # (pack id, chunk row) -> the blob's raw bytes, verified against the row's BLAKE3 address (repository.chunkio)
 ReadBlob = Callable[[str, list[Any]], bytes]
@@ -66,6 +70,18 @@ def group_blob(members: list[tuple[int, dict[str, Any]]], packs: list[str]) -> b
     return canonical({"entries": rows, "packs": list(local)})
 
 
+def estimated_bytes(entry: dict[str, Any]) -> int:
+    """An upper bound of ``entry``'s bytes in a group blob: a chunk row's JSON is at most ~230 bytes (64 + 32 hex
+    digits, five integers below 2^62, a codec), a path character at most 4 bytes of UTF-8, the rest (dtype, up to 64
+    dimensions, members' names) well under 2 KiB."""
+    rows = 0
+    for path in _ROW_MEMBERS:
+        holder = entry.get(path[0]) if len(path) == 2 else entry
+        if isinstance(holder, dict):
+            rows += len(holder.get(path[-1]) or ())
+    return 2048 + 4 * len(entry["path"]) + 240 * rows
+
+
 def _cut_after(path: str) -> bool:
     return blake3.blake3(path.encode("utf-8", "surrogatepass")).digest()[0] % CUT_MODULUS == 0
 
@@ -79,14 +95,22 @@ def plan_groups(entries: list[dict[str, Any]], packs: list[str], previous: dict[
     lands in never changes what a reader gets, only what the next save can share."""
     out: list[list[int]] = []
     group: list[int] = []
+    size = 0
     for i, e in enumerate(entries):
         before = previous.get(e["path"])
         if before is None or map_rows(e, packs.__getitem__) != before:
             continue
+        n = estimated_bytes(e)
+        if n > GROUP_TARGET_BYTES:
+            continue  # too large for any group: inline
+        if group and size + n > GROUP_TARGET_BYTES:
+            out.append(group)
+            group, size = [], 0
         group.append(i)
+        size += n
         if len(group) >= GROUP_MAX_ENTRIES or _cut_after(e["path"]):
             out.append(group)
-            group = []
+            group, size = [], 0
     if group:
         out.append(group)
     return out
@@ -147,24 +171,42 @@ def expand(doc: dict[str, Any], read: ReadBlob | None, where: str) -> None:
     if not isinstance(groups, list) or not isinstance(packs, list) or not isinstance(inline, list):
         raise bad("its groups, entries or packs are not lists")
     index = {p: i for i, p in enumerate(packs) if isinstance(p, str)}
-    entries: dict[int, dict[str, Any]] = {}
     total = 0
     for row in groups:
-        if not (isinstance(row, list) and len(row) == 7 and is_hex64(row[0]) and type(row[1]) is int
-                and 0 <= row[1] < len(packs) and type(row[4]) is int and 0 < row[4] <= MAX_GROUP_BYTES
-                and row[5] in ("none", "zstd") and isinstance(packs[row[1]], str)):
+        if not (chunk_row_ok(row, 1 << 48) and row[1] < len(packs) and isinstance(packs[row[1]], str)
+                and row[5] in ("none", "zstd") and 0 < row[3] and 0 < row[4] <= MAX_GROUP_BYTES
+                and (row[3] == row[4] if row[5] == "none" else row[3] <= row[4])):
             raise bad(f"entry group row {str(row)[:120]} is malformed (or its group exceeds {MAX_GROUP_BYTES} bytes)")
         total += row[4]
         if total > MAX_MANIFEST_BYTES:
             raise bad(f"its entry groups hold more than {MAX_MANIFEST_BYTES} bytes")
-        data = CACHE.get(row[0])
-        if data is None:
-            data = read(packs[row[1]], row)
-            if blake3.blake3(data).hexdigest() != row[0]:  # the reader checks too: never trust one that forgot
-                raise bad(f"entry group {row[0][:16]}… does not hash to its address")
-            CACHE.put(row[0], data)
+    blobs = {row[0]: CACHE.get(row[0]) for row in groups}
+    todo = {row[0]: row for row in groups if blobs[row[0]] is None}
+
+    def fetch(row: list[Any]) -> tuple[str, bytes]:
+        data = read(packs[row[1]], row)  # type: ignore[misc]
+        if blake3.blake3(data).hexdigest() != row[0]:  # the reader checks too: never trust one that forgot
+            raise bad(f"entry group {row[0][:16]}… does not hash to its address")
+        return row[0], data
+
+    if len(todo) > 1:  # several round trips on an object store: in parallel
+        with ThreadPoolExecutor(min(8, len(todo)), "luopan-groups") as pool:
+            fetched = list(pool.map(fetch, todo.values()))
+    else:
+        fetched = [fetch(row) for row in todo.values()]
+    entries: dict[int, dict[str, Any]] = {}
+    for h, data in fetched:
         try:
-            blob = json.loads(data)
+            blob = parse_object(data)
+            if canonical(blob) != data:
+                raise ValueError("not canonical JSON")
+        except (SealError, ValueError, RecursionError) as exc:
+            raise bad(f"entry group {h[:16]}… is malformed ({type(exc).__name__}: {str(exc)[:80]})") from None
+        blobs[h] = data
+        CACHE.put(h, data)
+    for row in groups:
+        try:
+            blob = json.loads(blobs[row[0]])
             local = blob["packs"]
             if set(blob) != {"entries", "packs"} or not isinstance(local, list) or not isinstance(blob["entries"], list):
                 raise TypeError("not a group")
@@ -179,7 +221,7 @@ def expand(doc: dict[str, Any], read: ReadBlob | None, where: str) -> None:
                 if type(i) is not int or not isinstance(e, dict) or i in entries or not 0 <= i < (1 << 40):
                     raise TypeError(f"entry index {str(i)[:20]} repeated or invalid")
                 entries[i] = map_rows(e, pack)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
             raise bad(f"entry group {row[0][:16]}… is malformed ({type(exc).__name__}: {str(exc)[:80]})") from None
     n = len(entries) + len(inline)
     if entries and max(entries) >= n:

@@ -125,7 +125,7 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
     if "groups" in doc:
         if not isinstance(doc.get("format_version"), int) or doc["format_version"] < GROUPS_FORMAT_VERSION:
             raise CorruptManifestError(f"manifest {where} has entry groups, which its format_version "
-                                       f"{str(doc.get('format_version'))[:20]} lacks")
+                                       f"{str(doc.get('format_version'))[:20]!r} lacks (they need 6)")
         expand(doc, read, where)
     try:
         _validator()(doc)

@@ -124,10 +124,12 @@ def read_chunk(store: Store, ref: ChunkRef, out: memoryview, sizes: PackSizes | 
 def blob_reader(store: Store, owner: str) -> Callable[[str, list[Any]], bytes]:
     """Reads the blob of one chunk row whole, checked against its BLAKE3 address: a manifest's entry groups
     (docs/format.md §8.5). Missing or damaged packs raise the typed errors of ``read_chunk``."""
+    sizes = PackSizes(store)  # one size lookup per pack for all the groups of a manifest
+
     def read(pack: str, row: list[Any]) -> bytes:
         out = bytearray(row[4])  # the row's size, bounded by the caller
         read_chunk(store, ChunkRef(owner, "(entry group)", 0, row[0], pack, row[2], row[3], row[4], row[5]),
-                   memoryview(out))
+                   memoryview(out), sizes)
         return bytes(out)
     return read
 

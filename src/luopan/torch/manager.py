@@ -30,7 +30,7 @@ from ..checkpoint.resumes import ResumeCheck, RunJournal
 from ..checkpoint.read import chunk_refs, delta_jobs
 from ..checkpoint.runrecord import config_json
 from ..errors import IntegrityError
-from ..format.manifest import Manifest, rows_of
+from ..format.manifest import Manifest, manifest_rows
 from ..format.names import check_run, pack_key
 from ..policies import EveryNSteps
 from ..repo import Repo
@@ -282,9 +282,8 @@ class CheckpointManager:
         problems: list[Exception] = [p for p in (check_pack_trailer(self.repo.store, pack) for pack in m.packs)
                                      if p is not None]
         need = [0] * len(m.packs)  # bytes each pack must hold: the end of its last chunk this checkpoint uses
-        for e in m.entries:
-            for r in rows_of(e):
-                need[r.pack] = max(need[r.pack], r.offset + r.length)
+        for r in manifest_rows(m.doc):  # every entry's rows and its entry groups' (docs/format.md §8.5)
+            need[r.pack] = max(need[r.pack], r.offset + r.length)
         for pack, needed in zip(m.packs, need):
             try:
                 size = self.repo.store.size(pack_key(pack))
