@@ -287,3 +287,145 @@ def test_check_reads_the_group_blobs(lora):
     report = json.loads(r.output)
     groups = {g[0] for step in range(4) for g in file_doc(root, "run", step).get("groups", [])}
     assert groups and report["chunks"] >= 4 * LAYERS + LAYERS + len(groups)  # adapters per step, base, groups
+
+
+def test_luopan_upgrade_raises_an_older_repository_to_version_6(tmp_path):
+    from typer.testing import CliRunner
+    from luopan.cli.main import app
+    runner = CliRunner()
+    root = str(tmp_path / "r")
+    base = base_state()
+    with luopan.open(root, compression="zstd") as repo:  # version 1
+        for step in (0, 1):
+            repo.save("run", step, state(step, base))
+    dry = runner.invoke(app, ["upgrade", "-r", root, "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.output)["changed"] is False and json.loads(dry.output)["format_version"] == 6
+    with open(os.path.join(root, "luopan.json"), "rb") as f:
+        assert json.loads(f.read())["format_version"] == 1
+    done = runner.invoke(app, ["upgrade", "-r", root])
+    assert done.exit_code == 0 and "from format 1 to 6" in done.output, done.output
+    with open(os.path.join(root, "luopan.json"), "rb") as f:
+        assert json.loads(f.read())["format_version"] == 6
+    with luopan.open(root) as repo:
+        for step in (2, 3):
+            repo.save("run", step, state(step, base))
+        assert "groups" not in file_doc(root, "run", 1)  # nothing stored is rewritten
+        assert "groups" in file_doc(root, "run", 3)  # later saves group (against step 1's entries on disk)
+        for step in range(4):
+            assert_exact(repo.load("run", step), state(step, base))
+        assert repo.verify().ok
+    again = runner.invoke(app, ["upgrade", "-r", root])
+    assert again.exit_code == 0 and "already at format 6" in again.output
+
+
+# -- review fixes: bounded groups, crafted rows and blobs, timing ----------------------------------------------------
+def test_groups_stay_below_the_target_size_and_huge_entries_stay_inline(monkeypatch, tmp_path):
+    from luopan.format import groups
+
+    monkeypatch.setattr(groups, "GROUP_TARGET_BYTES", 40 << 10)  # 40 KiB: a few entries of 16 rows a group
+    root = str(tmp_path / "r")
+    rng = np.random.default_rng(3)
+    st = {f"w{i:02d}": rng.standard_normal((128, 128), dtype=np.float32) for i in range(40)}  # 16 chunks of 4 KiB
+    st["huge"] = rng.standard_normal((512, 512), dtype=np.float32)  # 256 chunk rows: estimated over 40 KiB: inline
+    with luopan.open(root, chunk_size=4096) as repo:
+        repo.save("run", 0, st)
+        repo.save("run", 1, st)
+        doc = file_doc(root, "run", 1)
+        assert len(doc["groups"]) >= 4 and all(r[4] <= 40 << 10 for r in doc["groups"])
+        assert [e["path"] for e in doc["entries"]] == ["huge"]
+        assert_exact(repo.load("run", 1), st)
+
+
+def test_a_group_blob_too_large_for_readers_is_never_written(monkeypatch, tmp_path):
+    from luopan.checkpoint import grouping
+
+    monkeypatch.setattr(grouping, "MAX_GROUP_BYTES", 1000)  # as if plan_groups had let one through
+    base = base_state()
+    with luopan.open(tmp_path / "r") as repo:
+        for step in (0, 1):
+            repo.save("run", step, state(step, base))
+        assert "groups" not in file_doc(str(tmp_path / "r"), "run", 1)  # inline instead
+        assert_exact(repo.load("run", 1), state(1, base))
+
+
+def _put_blob(repo, raw):
+    """A pack holding ``raw`` as one blob: (pack id, offset) — for crafting group blobs with genuine addresses."""
+    import blake3
+    from luopan.format.pack import PackBuilder
+
+    b = PackBuilder()
+    off = b.add(blake3.blake3(raw).hexdigest(), memoryview(raw), len(raw), "none")
+    pack_id, parts, _total = b.finish()
+    repo.store.put(pack_key(pack_id), b"".join(bytes(p) for p in parts))
+    return pack_id, off
+
+
+@pytest.mark.parametrize("blob", ["deep", "duplicate-key", "not-canonical", "extra-member"])
+def test_crafted_group_blobs_are_corrupt_manifests(lora, blob):
+    import blake3
+    from luopan.format import groups
+
+    root, repo, _saved, _base = lora
+    doc = file_doc(root, "run", 3)
+    doc.pop("checksum", None)
+    h, p, off, length, size, codec, x = doc["groups"][0]
+    real = json.loads(zstandard.ZstdDecompressor().decompress(
+        open(os.path.join(root, pack_key(doc["packs"][p])), "rb").read()[off:off + length]) if codec == "zstd"
+        else open(os.path.join(root, pack_key(doc["packs"][p])), "rb").read()[off:off + length])
+    if blob == "deep":
+        raw = b'{"entries":' + b"[" * 100_000 + b"]" * 100_000 + b',"packs":[]}'
+    elif blob == "duplicate-key":
+        raw = json.dumps(real, separators=(",", ":"), sort_keys=True).encode()
+        raw = raw[:-1] + b',"packs":' + json.dumps(real["packs"]).replace(" ", "").encode() + b"}"
+    elif blob == "not-canonical":
+        raw = json.dumps(real, indent=1).encode()
+    else:
+        raw = json.dumps({**real, "more": 1}, separators=(",", ":"), sort_keys=True).encode()
+    pack_id, pos = _put_blob(repo, raw)
+    doc["packs"].append(pack_id)
+    doc["groups"][0] = [blake3.blake3(raw).hexdigest(), len(doc["packs"]) - 1, pos, len(raw), len(raw), "none",
+                        "0" * 32]
+    write_doc(root, "run", 3, doc)
+    groups.CACHE.blobs.clear()
+    groups.CACHE.size = 0
+    with luopan.open(root) as fresh:
+        with pytest.raises(luopan.CorruptManifestError, match="malformed"):
+            fresh.manifest("run", 3)
+
+
+@pytest.mark.parametrize("field,value", [(2, "16"), (2, 1.5), (3, None), (3, True), (2, -1), (6, "zz")])
+def test_crafted_group_rows_are_corrupt_manifests(lora, field, value):
+    from luopan.format import groups
+
+    root, repo, _saved, _base = lora
+    doc = file_doc(root, "run", 3)
+    doc.pop("checksum", None)
+    doc["groups"][0][field] = value
+    write_doc(root, "run", 3, doc)
+    groups.CACHE.blobs.clear()
+    groups.CACHE.size = 0
+    with pytest.raises(luopan.CorruptManifestError, match="malformed"):
+        repo.manifest("run", 3)
+
+
+def test_save_us_covers_storing_the_groups(lora, monkeypatch):
+    import time as _time
+    from luopan.checkpoint import grouping
+
+    root, repo, _saved, base = lora
+    slow = grouping.zstd_blob
+
+    def slow_zstd(*a, **k):
+        _time.sleep(0.3)
+        return slow(*a, **k)
+
+    monkeypatch.setattr(grouping, "zstd_blob", slow_zstd)
+    monkeypatch.setattr(grouping, "basis", lambda doc: {})  # nothing reused below: the groups are written anew
+    repo._grouping["run"] = {}
+    repo.save("run", 4, state(4, base))  # nothing to compare with: no groups
+    repo.save("run", 5, state(5, base))  # the base's groups again, found in the index: none written
+    repo.save("run", 6, {**state(6, base), "extra.weight": np.ones(4, np.float32)})
+    stats = repo.manifest("run", 6).stats
+    written = stats["new_chunks"] - LAYERS - 1  # group blobs this save coded
+    assert stats["save_us"] >= written * 0.3e6

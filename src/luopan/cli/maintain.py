@@ -1,4 +1,4 @@
-"""``luopan init``, ``prune``, ``pin``/``unpin``, ``gc``, ``locks`` and ``unlock``: creating and maintaining a repository."""
+"""``luopan init``, ``upgrade``, ``prune``, ``pin``/``unpin``, ``gc``, ``locks`` and ``unlock``: creating and maintaining a repository."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import typer
 
 from ..errors import LuopanError
 from ..repo import init as repo_init
-from ..repository.locks import break_locks, list_locks
+from ..format import FORMAT_VERSION
+from ..repository.locks import break_locks, list_locks, locked
 from ..retention import rules_from_flags
 from ..units import parse_duration
 from .artifact import is_artifact_target, name_and_number
@@ -52,6 +53,37 @@ def init(
     out.print(f"created luopan repository at [bold]{r.store.describe()}[/] "
               f"(format {c.format_version}, chunks {human(c.chunk_size)}, packs {human(c.pack_size)}, "
               f"compression {c.compression.codec})")
+
+
+@app.command()
+@handles_errors
+def upgrade(
+    *,
+    repo: RepoOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the change; change nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Raise the repository's format version to this luopan's, so later saves use what it adds: at version 6,
+    checkpoint manifests keep the entries that did not change since the previous checkpoint in shared entry groups
+    (docs/format.md §8.5). Nothing stored is rewritten, and every checkpoint loads as before; but luopan of an older
+    format refuses the repository afterwards (upgrade it first). Takes the exclusive lock, so saves in flight finish
+    first."""
+    r = open_repo(repo_location(repo))
+    before = r.config.format_version
+    after = max(before, FORMAT_VERSION)
+    if after != before and not dry_run:
+        with locked(r.store, "exclusive", "format upgrade", timeout=r.lock_timeout):
+            r.require_format(after)
+    if as_json:
+        emit_json({"repository": r.store.describe(), "format_version_before": before, "format_version": after,
+                   "changed": after != before and not dry_run, "dry_run": dry_run})
+    elif after == before:
+        out.print(f"{r.store.describe()} is already at format {before}, this luopan's: nothing to do")
+    else:
+        verb = "would raise" if dry_run else "raised"
+        out.print(f"{verb} {r.store.describe()} from format {before} to {after}: later checkpoint manifests keep "
+                  f"unchanged entries in entry groups; luopan reading only format {before} or older now refuses it")
+    r.close()
 
 
 @app.command()
