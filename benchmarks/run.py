@@ -284,7 +284,8 @@ def _incremental_detail(r: dict[str, Any]) -> str:
             f"luopan {r['luopan_bytes']} B, zipnn {r['zipnn_bytes']} B of {r['raw_bytes']} raw bf16 bytes"),
         "P15.manifest_share": lambda: (
             f"{r['saves']} LoRA saves: manifests {r['manifest_bytes']} B ({r['manifests']} files, mean "
-            f"{r['manifest_mean_bytes']} B), index {r['index_bytes']} B ({r['index_files']} files), packs "
+            f"{r['manifest_mean_bytes']} B), entry groups {r.get('entry_group_bytes', 0)} B, index "
+            f"{r['index_bytes']} B ({r['index_files']} files), packs "
             f"{r['pack_bytes']} B, all {r['total_bytes']} B"),
     }
     by_prefix = {
