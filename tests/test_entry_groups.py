@@ -429,3 +429,29 @@ def test_save_us_covers_storing_the_groups(lora, monkeypatch):
     stats = repo.manifest("run", 6).stats
     written = stats["new_chunks"] - LAYERS - 1  # group blobs this save coded
     assert stats["save_us"] >= written * 0.3e6
+
+
+def test_a_damaged_group_is_stored_again_not_named_by_later_saves(lora):
+    """A group blob damaged in its pack (trailer intact) is read back before a save names it again: the next
+    checkpoint stores a fresh copy and loads; only the checkpoints that already named it are damaged."""
+    from luopan.format import groups
+
+    root, repo, _saved, base = lora
+    doc = file_doc(root, "run", 3)
+    h, p, off, length, *_ = doc["groups"][0]
+    with open(os.path.join(root, pack_key(doc["packs"][p])), "r+b") as f:
+        f.seek(off + length // 2)
+        b = f.read(1)
+        f.seek(off + length // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    groups.CACHE.blobs.clear()
+    groups.CACHE.size = 0
+    repo.save("run", 4, state(4, base))
+    new = file_doc(root, "run", 4)
+    assert any(r[0] == h and new["packs"][r[1]] != doc["packs"][p] for r in new["groups"])  # a fresh copy
+    groups.CACHE.blobs.clear()
+    groups.CACHE.size = 0
+    with luopan.open(root) as fresh:
+        with pytest.raises(luopan.IntegrityError):
+            fresh.load("run", 3)  # names the damaged copy
+        assert_exact(fresh.load("run", 4), state(4, base))

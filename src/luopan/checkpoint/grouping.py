@@ -13,7 +13,9 @@ from ..format.groups import (GROUP_MIN_ENTRIES, GROUPS_FORMAT_VERSION, MAX_GROUP
                              with_pack_ids)
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.pack import BlobLocation, PackBuilder
+from ..errors import LuopanError
 from ..repository.blobcodec import zstd_blob
+from ..repository.chunkio import ChunkRef, read_chunk
 from ..repository.packwriter import PackChecker, PackWriter
 from .writectx import WriteContext
 
@@ -76,6 +78,18 @@ class GroupStore:
     def _located(self) -> None:  # the writer's: record where its new chunks landed once their packs are written
         raise NotImplementedError
 
+    def _intact(self, h: str, loc: BlobLocation) -> bool:
+        """Whether a stored group blob may be named again: its pack intact, and the blob itself read back and checked
+        (a few KiB; a damaged group would make every manifest naming it unreadable, not just one entry)."""
+        if not self.checker.reusable(loc):
+            return False
+        try:
+            read_chunk(self.ctx.store, ChunkRef("entry group", "(entry group)", 0, h, loc.pack, loc.offset, loc.length,
+                                                loc.size, loc.codec), memoryview(bytearray(loc.size)))
+        except (LuopanError, OSError):
+            return False  # stored again, in this save's pack
+        return True
+
     def store_groups(self, doc: dict[str, Any]) -> dict[str, Any]:
         """Write the group blobs of ``doc`` the store lacks (into a pack after the data packs: their rows name those)
         and return the document to seal; ``doc`` itself when it is not grouped. Counts them in ``doc``'s stats."""
@@ -85,7 +99,7 @@ class GroupStore:
             return doc  # none, or what a reader would refuse (plan_groups keeps far below): inline, as before
         for h, raw, _x, _members in blobs:
             loc = self.new_locations.get(h) or self.ctx.known.get(h)
-            if loc is None or (h not in self.new_locations and not self.checker.reusable(loc)):
+            if loc is None or (h not in self.new_locations and not self._intact(h, loc)):
                 codec, stored = zstd_blob(raw, GROUP_LEVEL)
                 builder, off = self.writer.add(h, memoryview(stored), len(raw), codec)
                 self.new[h] = (builder, off, len(stored), len(raw), codec)
