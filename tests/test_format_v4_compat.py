@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import shutil
-import struct
 
 import numpy as np
 import pytest
@@ -17,6 +16,8 @@ import torch
 
 import luopan
 import luopan.format
+
+from .helpers import assert_exact
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SAMPLE = os.path.join(DATA, "v4_repo")
@@ -30,36 +31,6 @@ def _generator():
 
 
 gen = _generator()
-
-
-def assert_exact(got, expected, path="<root>"):
-    """Same tree structure, types, dtypes and shapes; tensors and arrays equal byte for byte."""
-    if isinstance(expected, pathlib.PurePath):  # a posix path comes back as pathlib.Path on a posix host (§8.3)
-        assert isinstance(got, pathlib.PurePosixPath) and got == expected, path
-        return
-    assert type(got) is type(expected), f"{path}: {type(got).__name__} != {type(expected).__name__}"
-    if isinstance(expected, dict):
-        assert list(got) == list(expected), f"{path}: keys {list(got)} != {list(expected)}"
-        for k in expected:
-            assert_exact(got[k], expected[k], f"{path}/{k}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), path
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert_exact(g, e, f"{path}[{i}]")
-    elif isinstance(expected, torch.Tensor):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, path
-        assert raw(got) == raw(expected), f"{path}: bytes differ"
-    elif isinstance(expected, np.ndarray):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, path
-        assert got.tobytes() == expected.tobytes(), f"{path}: bytes differ"
-    elif isinstance(expected, float):
-        assert struct.pack("<d", got) == struct.pack("<d", expected), path
-    else:
-        assert got == expected, path
-
-
-def raw(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import os
 import shutil
-import struct
 
 import numpy as np
 import pytest
@@ -17,6 +16,8 @@ import zstandard
 import luopan
 import luopan.format
 from luopan.format.names import manifest_key
+
+from .helpers import assert_exact
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SAMPLE = os.path.join(DATA, "v5_repo")
@@ -32,29 +33,6 @@ def _generator():
 
 gen = _generator()
 NEW_STEPS = [gen.STEPS[-1] + 1, gen.STEPS[-1] + 2]  # what this luopan adds to the run
-
-
-def assert_exact(got, expected, path="<root>"):
-    """Same tree structure, types, dtypes and shapes; tensors and arrays equal byte for byte."""
-    assert type(got) is type(expected), f"{path}: {type(got).__name__} != {type(expected).__name__}"
-    if isinstance(expected, dict):
-        assert list(got) == list(expected), f"{path}: keys {list(got)} != {list(expected)}"
-        for k in expected:
-            assert_exact(got[k], expected[k], f"{path}/{k}")
-    elif isinstance(expected, torch.Tensor):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, path
-        assert raw(got) == raw(expected), f"{path}: bytes differ"
-    elif isinstance(expected, np.ndarray):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, path
-        assert got.tobytes() == expected.tobytes(), f"{path}: bytes differ"
-    elif isinstance(expected, float):
-        assert struct.pack("<d", got) == struct.pack("<d", expected), path
-    else:
-        assert got == expected, path
-
-
-def raw(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @pytest.fixture
