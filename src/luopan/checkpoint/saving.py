@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,7 +41,7 @@ from .request import SaveRequest, check_json, entries_by_path, same_version, ten
 from .rowdelta import DeltaPolicy, RowTrack
 from .runrecord import RecordWriter, Run
 from .deltaplan import disk_tracks
-from .grouping import basis as grouping_basis
+from .grouping import basis as grouping_basis, wants_groups
 from ..format.groups import GROUPS_FORMAT_VERSION
 from .save import write_checkpoint
 from .writectx import WriteContext
@@ -316,9 +317,11 @@ class Saving(RepositoryCore):
         # (also when the save fails, as before). A record is context: it never fails or masks a save.
         record = self._start_record(plan.run) if plan.run not in self._recorded else None
         try:
+            newest = self._newest_on_disk(plan.run)
             context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
-                                   self._delta_tracks(plan.run), self.delta_policy, self._intact_packs,
-                                   self._bad_bases, started, stall, progress.advance, self._grouping_basis(plan.run))
+                                   self._delta_tracks(plan.run, newest), self.delta_policy, self._intact_packs,
+                                   self._bad_bases, started, stall, progress.advance,
+                                   self._grouping_basis(plan.run, newest))
             with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
                 result = write_checkpoint(context, plan)
         except BaseException:
@@ -326,7 +329,7 @@ class Saving(RepositoryCore):
             raise
         self.learned(result.new_locations, result.index_key)
         self._previous[plan.run] = entries_by_path(result.doc)
-        self._grouping[plan.run] = grouping_basis(result.doc)
+        self._grouping[plan.run] = grouping_basis(result.doc) if wants_groups(self.config, result.doc) else {}
         self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
         if self.tier is not None:
@@ -351,24 +354,37 @@ class Saving(RepositoryCore):
             warnings.warn(f"run {run!r}: the run record could not be written ({exc})", stacklevel=4)
         self._recorded.add(run)
 
-    def _delta_tracks(self, run: str) -> dict[str, RowTrack]:
+    def _newest_on_disk(self, run: str) -> Callable[[], dict[str, Any] | None]:
+        """The document of the run's newest checkpoint on disk, read once when first asked for (a process's first
+        save of a run: delta bases and entry groups both start from it); None if there is none or it is unreadable."""
+        cache: list[dict[str, Any] | None] = []
+
+        def newest() -> dict[str, Any] | None:
+            if not cache:
+                try:
+                    cache.append(self.manifest(run).doc)
+                except (LuopanError, OSError):
+                    cache.append(None)  # no checkpoint yet, or an unreadable one
+            return cache[0]
+        return newest
+
+    def _delta_tracks(self, run: str, newest: Callable[[], dict[str, Any] | None]) -> dict[str, RowTrack]:
         """This process's delta state of the run; for its first save of the run, the bases the run's newest
         checkpoint on disk names (only their BLAKE3 addresses are used, checked against the bytes: §5.4)."""
         if run in self._tracks:
             return self._tracks[run]
+        doc = newest()
         try:
-            return disk_tracks(self.manifest(run).doc, self.delta_policy)
+            return {} if doc is None else disk_tracks(doc, self.delta_policy)
         except (LuopanError, OSError):
-            return {}  # no checkpoint yet, or an unreadable one: this save stores in full
+            return {}  # this save stores in full
 
-    def _grouping_basis(self, run: str) -> dict[str, dict[str, Any]]:
+    def _grouping_basis(self, run: str, newest: Callable[[], dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
         """The run's previous save's entries for grouping (§8.5): this process's last save, else the newest on disk
         (a new process then shares the groups the last one wrote), else none."""
         if run not in self._grouping and self.config.format_version >= GROUPS_FORMAT_VERSION:
-            try:
-                self._grouping[run] = grouping_basis(self.manifest(run).doc)
-            except (LuopanError, OSError):
-                self._grouping[run] = {}
+            doc = newest()
+            self._grouping[run] = grouping_basis(doc) if doc is not None and wants_groups(self.config, doc) else {}
         return self._grouping.get(run, {})
 
     def _previous_rows(self, run: str) -> dict[str, dict[str, Any]]:
