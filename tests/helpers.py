@@ -1,5 +1,6 @@
 """Assertions shared by the crash, kill, corruption and format-compatibility tests."""
 
+import importlib.util
 import os
 import pathlib
 import struct
@@ -56,3 +57,13 @@ def assert_exact(got, expected, path="<root>"):
         assert struct.pack("<d", got) == struct.pack("<d", expected), path
     else:
         assert got == expected, path
+
+
+def data_module(name):
+    """A generator script of tests/data/ (``make_v4_repo``, ``make_v5_repo``) loaded as a module: the tests import its
+    functions to rebuild what the sample repository it made holds."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,7 +4,6 @@ writes with the format-5 features (row deltas with the cycle hint, XOR deltas) a
 version 4, never misread."""
 
 import datetime
-import importlib.util
 import json
 import os
 import pathlib
@@ -17,20 +16,13 @@ import torch
 import luopan
 import luopan.format
 
-from .helpers import assert_exact
+from .helpers import assert_exact, data_module
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SAMPLE = os.path.join(DATA, "v4_repo")
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("make_v4_repo", os.path.join(DATA, "make_v4_repo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _generator()
+gen = data_module("make_v4_repo")
 
 
 @pytest.fixture

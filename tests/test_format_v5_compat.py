@@ -3,7 +3,6 @@ commit cdafbe7) still reads exactly with this luopan, which can also add to it; 
 this luopan adds stays version 5 (inline manifests, never entry groups: docs/format.md §8.5), so a reader of
 version 5 still opens it afterwards."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,23 +14,17 @@ import zstandard
 
 import luopan
 import luopan.format
+from luopan.format.manifest import stored_rows
 from luopan.format.names import manifest_key
 
-from .helpers import assert_exact
+from .helpers import assert_exact, data_module
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SAMPLE = os.path.join(DATA, "v5_repo")
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("make_v5_repo", os.path.join(DATA, "make_v5_repo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _generator()
+gen = data_module("make_v5_repo")
 NEW_STEPS = [gen.STEPS[-1] + 1, gen.STEPS[-1] + 2]  # what this luopan adds to the run
 
 
@@ -54,15 +47,6 @@ def file_doc(root, run, step):
 def config_version(root):
     with open(os.path.join(root, "luopan.json"), "rb") as f:
         return json.loads(f.read())["format_version"]
-
-
-def rows_of(entry):
-    rows = list(entry.get("chunks", []))
-    if "delta" in entry:
-        rows += entry["delta"]["index"] + entry["delta"]["values"]
-    if "xor" in entry:
-        rows += entry["xor"]["chunks"]
-    return rows
 
 
 def zeroed(tree):
@@ -102,7 +86,7 @@ def test_the_sample_is_what_the_generator_describes():
     entries = [e for d in docs for e in d["entries"]]
     assert any("xor" in e for e in entries)
     assert any("delta" in e for e in entries)
-    assert any(r[5] == "bytegroup" for e in entries for r in rows_of(e))
+    assert any(r[5] == "bytegroup" for e in entries for r in stored_rows(e))
     assert all(len(d["entries"]) >= 40 for d in docs)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(SAMPLE) for f in fs)
     assert total < 400 << 10
