@@ -107,7 +107,7 @@ def test_a_clean_repository_passes(tmp_path):
     assert "warn" not in out and "FAIL" not in out
     assert "the newest of each of 2 runs verifies: every chunk" in out
     assert "is on ext4 (mounted at / from /dev/sda1): rename and fsync are durable" in out
-    assert "repository format version 6 (this luopan's)" in out
+    assert f"repository format version {luopan.format.FORMAT_VERSION} (this luopan's)" in out
     assert out.rstrip().endswith("all 8 checks passed")
     findings = doctor_json(repo)
     assert all(set(f) == {"check", "status", "message", "fix"} for f in findings)

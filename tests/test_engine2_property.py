@@ -253,6 +253,8 @@ class Session:
             for form in ("delta", "xor"):
                 if form in e:
                     FORMS[form] += 1
+                    if "segments" in e[form]:  # a patch kept in segments (format 7, §5.2)
+                        FORMS["segments"] += 1
                     if self.events:
                         event(f"{self.config}: {form} entry")
             assert not ("delta" in e and "xor" in e)
@@ -323,6 +325,7 @@ def test_random_edit_sequences_load_exactly():
     _random_sequences()
     assert FORMS["delta"] and FORMS["xor"], FORMS  # the sequences did exercise both delta forms
     assert FORMS["groups"], FORMS  # and manifests stored in entry groups
+    assert FORMS["segments"], FORMS  # and row deltas whose patch is kept in segments
 
 
 PRUNED = collections.Counter()
@@ -429,7 +432,11 @@ def _restart_history(path, compression, restart):
 def test_first_save_after_a_restart_stores_only_the_changed_rows(tmp_path, compression):
     info, m, changed, repo, saved, state = _restart_history(tmp_path / "r", compression, restart=True)
     e = m.entry("emb")
-    assert e["delta"]["base_step"] == 0 and e["delta"]["rows"] == len(changed)  # exactly the rows off the base
+    assert e["delta"]["base_step"] == 0
+    if compression == "none":  # a format-1 repository: one cumulative patch, exactly the rows off the base
+        assert e["delta"]["rows"] == len(changed)
+    else:  # format 7 (§5.2): the patch on disk kept in segments (read back and checked), one more for this save
+        assert e["delta"]["segments"] == [BIG_ROWS // 100] * 3
     # A row delta stores every row that differs from its base (§5.2: the patch is cumulative, here the 3 x 1% of
     # rows changed since the base), so the rows changed since the base are what a save after a restart may cost.
     patch = len(changed) * (BIG_DIM * 4 + 8)
@@ -437,9 +444,13 @@ def test_first_save_after_a_restart_stores_only_the_changed_rows(tmp_path, compr
     assert info.stored_bytes < (BIG_ROWS * BIG_DIM * 4) // 10  # not the table
     if compression != "none":
         assert "xor" in m.entry("w")  # unchanged since an XOR delta: the same XOR delta, nothing new stored
+        interval = (BIG_ROWS // 100) * (BIG_DIM * 4 + 8)  # with segments: this save's rows only
+        assert info.stored_bytes <= 1.5 * interval + 8192, (info.stored_bytes, interval)
     # as cheap as the same save without the restart
-    control, _m, _changed, control_repo, *_ = _restart_history(tmp_path / "control", compression, restart=False)
+    control, control_m, _changed, control_repo, *_ = _restart_history(tmp_path / "control", compression,
+                                                                      restart=False)
     control_repo.close()
+    assert control_m.entry("emb")["delta"] == {**e["delta"], "cycle": control_m.entry("emb")["delta"]["cycle"]}
     assert abs(info.stored_bytes - control.stored_bytes) <= 4096, (info.stored_bytes, control.stored_bytes)
     # later saves of the new process keep working: rows and a dense update of the bf16 matrix
     rng = np.random.default_rng(7)

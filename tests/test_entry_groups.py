@@ -16,6 +16,8 @@ from luopan.format.groups import GROUP_MIN_ENTRIES, GROUPS_FORMAT_VERSION
 from luopan.format.names import manifest_key, pack_key
 from luopan.retention import KeepLast
 
+from .helpers import assert_refused_as_newer
+
 LAYERS = 40  # 40 frozen base weights + 40 adapters: 80 entries, well above GROUP_MIN_ENTRIES
 
 
@@ -73,7 +75,8 @@ def lora(tmp_path):
 
 def test_new_auto_repositories_are_version_6_and_group_large_manifests(lora):
     root, repo, saved, _base = lora
-    assert repo.config.format_version == GROUPS_FORMAT_VERSION == luopan.format.FORMAT_VERSION
+    # created at the newest version (7 since patch segments, §5.2), which includes entry groups (6)
+    assert repo.config.format_version == luopan.format.FORMAT_VERSION == 7 > GROUPS_FORMAT_VERSION
     assert "groups" not in file_doc(root, "run", 0)  # nothing to compare with: every entry inline
     doc = file_doc(root, "run", 3)
     assert doc["groups"] and doc["format_version"] == 6
@@ -129,14 +132,7 @@ def test_repositories_of_older_versions_keep_inline_manifests(tmp_path, compress
 def test_a_version_5_reader_refuses_the_repository_and_its_manifests(lora, monkeypatch):
     root, repo, _saved, _base = lora
     repo.close()
-    monkeypatch.setattr(luopan.format, "FORMAT_VERSION", 5)
-    with pytest.raises(luopan.UnsupportedFormatError, match=r"format_version 6, newer than this luopan reads \(5\)"):
-        luopan.open(root)
-    from luopan.format.manifest import parse_manifest
-    with open(os.path.join(root, manifest_key("run", 3)), "rb") as f:
-        data = f.read()
-    with pytest.raises(luopan.UnsupportedFormatError, match="newer"):
-        parse_manifest(data, "m", "run", 3)
+    assert_refused_as_newer(monkeypatch, root, "run", 3, 5)
 
 
 def test_a_damaged_group_blob_is_an_integrity_error_and_verify_names_it(lora):
@@ -305,13 +301,13 @@ def test_luopan_upgrade_raises_an_older_repository_to_version_6(tmp_path):
             repo.save("run", step, state(step, base))
     dry = runner.invoke(app, ["upgrade", "-r", root, "--dry-run", "--json"])
     assert dry.exit_code == 0, dry.output
-    assert json.loads(dry.output)["changed"] is False and json.loads(dry.output)["format_version"] == 6
+    assert json.loads(dry.output)["changed"] is False and json.loads(dry.output)["format_version"] == 7
     with open(os.path.join(root, "luopan.json"), "rb") as f:
         assert json.loads(f.read())["format_version"] == 1
     done = runner.invoke(app, ["upgrade", "-r", root])
-    assert done.exit_code == 0 and "from format 1 to 6" in done.output, done.output
+    assert done.exit_code == 0 and "from format 1 to 7" in done.output, done.output
     with open(os.path.join(root, "luopan.json"), "rb") as f:
-        assert json.loads(f.read())["format_version"] == 6
+        assert json.loads(f.read())["format_version"] == 7
     with luopan.open(root) as repo:
         for step in (2, 3):
             repo.save("run", step, state(step, base))
@@ -321,7 +317,7 @@ def test_luopan_upgrade_raises_an_older_repository_to_version_6(tmp_path):
             assert_exact(repo.load("run", step), state(step, base))
         assert repo.verify().ok
     again = runner.invoke(app, ["upgrade", "-r", root])
-    assert again.exit_code == 0 and "already at format 6" in again.output
+    assert again.exit_code == 0 and "already at format 7" in again.output
 
 
 # -- review fixes: bounded groups, crafted rows and blobs, timing ----------------------------------------------------

@@ -39,7 +39,7 @@ def sparse_saves(repo, emb, steps=3, **extra):
 def flip_values_byte(root, repo, step, at=0, mask=0xFF):
     """Damage byte ``at`` of the first values chunk of entry "emb"'s row delta at ``step``, in its pack."""
     m = repo.manifest("run", step)
-    _h, p, off = m.entry("emb")["delta"]["values"][0][:3]
+    _h, p, off = m.entry("emb")["delta"]["values"][-1][:3]  # the newest segment's (§5.2): this save's own
     with open(os.path.join(root, "packs", m.packs[p][:2], m.packs[p] + ".pack"), "r+b") as f:
         f.seek(off + at)
         b = f.read(1)
@@ -70,9 +70,10 @@ def test_scattered_rows_become_a_delta_and_load_exactly(tmp_path):
     for s in range(1, 6):
         d = repo.manifest("run", s).entry("emb")["delta"]
         assert d["base_step"] == 0
-        assert d["rows"] == len(np.unique(np.concatenate([scattered(20, k) for k in range(1, s + 1)])))
-        assert infos[s].new_bytes <= d["rows"] * (DIM * 4 + 8) + 64  # the patch, not the table
-        assert repo.manifest("run", s).doc["format_version"] == 5  # deltas carry the writer's cycle hint (§5.2)
+        # format 7 (§5.2): the patch is kept in segments, one per save, each the rows changed since the save before
+        assert d.get("segments", [d["rows"]]) == [20] * s
+        assert infos[s].new_bytes <= 20 * (DIM * 4 + 8) + 64  # this save's changed rows: not the table, nor the patch
+        assert repo.manifest("run", s).doc["format_version"] == (7 if s > 1 else 5)  # 5: the writer's cycle hint
         assert d["cycle"][1] == s + 1  # the base and s deltas
     assert repo.manifest("run", 0).doc["format_version"] in (1, 5)  # 5 only where a format-5 codec was used
     for s, expected in saved.items():
@@ -266,8 +267,11 @@ def _reseal(root, step, edit):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda e, d: d.update(rows=d["rows"] + 1), "delta index is not"),
-    (lambda e, d: d.update(rows=ROWS + 1), "delta names"),
+    (lambda e, d: d.update(rows=d["rows"] + 1), "delta index is not|do not add up"),
+    (lambda e, d: d.pop("segments") and d.update(rows=d["rows"] + 1), "delta index is not"),
+    (lambda e, d: d.update(segments=[d["rows"] - 1, 1]), "not sorted, unique and below"),
+    (lambda e, d: d.update(segments=[ROWS + 1, 1], rows=ROWS + 2), "in one segment"),
+    (lambda e, d: d.update(rows=ROWS + 1), "delta names|do not add up"),
     (lambda e, d: d["values"].pop(), "delta values are not"),
     (lambda e, d: d["index"][0].__setitem__(1, 99), "names pack #99"),
     (lambda e, d: e.update(shape=[], nbytes=4, dtype="float32") or e["chunks"].clear(), "no rows|chunks hold"),
@@ -377,7 +381,8 @@ def test_cli_show_marks_delta_entries(tmp_path):
     r = CliRunner().invoke(app, ["show", "-r", str(tmp_path / "r"), "run", "2", "--json"])
     assert r.exit_code == 0, r.output
     entry = json.loads(r.stdout)["entries"][0]
-    assert entry["delta"] == {"base_step": 0, "rows": repo.manifest("run", 2).entry("emb")["delta"]["rows"]}
+    d = repo.manifest("run", 2).entry("emb")["delta"]
+    assert entry["delta"] == {"base_step": 0, "rows": d["rows"], "segments": d["segments"]} and d["segments"] == [10, 10]
 
 
 def test_rebase_comes_when_another_delta_would_raise_the_average_bytes_per_save(tmp_path):

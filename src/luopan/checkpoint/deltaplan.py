@@ -25,7 +25,9 @@ import numpy as np
 import xxhash
 
 from ..tree import Leaf
-from .rowdelta import MAX_BACKOFF, Decision, DeltaPolicy, RowDigests, RowTrack, gather, layout, rows_in_spans
+from ..errors import CorruptManifestError
+from .rowdelta import (MAX_BACKOFF, WRITER_SEGMENTS, Decision, DeltaPolicy, RowDigests, RowTrack, Segment,
+                       decode_patch, gather, layout, rows_in_spans)
 
 _EMPTY = np.empty(0, dtype=np.int64)
 Triple = tuple[str, int, str]  # a chunk: (BLAKE3 hash, raw size, XXH3-128)
@@ -47,6 +49,7 @@ class PlanContext:
     pool: ThreadPoolExecutor
     compressing: bool  # the repository compresses chunks (XOR deltas only pay then)
     encode: Callable[[memoryview, int, bool], memoryview]  # stored bytes of a piece of an entry (an XOR delta's: True)
+    segments: bool = False  # the repository takes patches in segments (format 7, docs/format.md §5.2)
 
 
 def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step: int, track: RowTrack | None,
@@ -72,7 +75,11 @@ def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
         if not pc.base_usable(track.base_chunks):
             return Decision(full, xs)
         if track.form == "rows":  # same content as the previous save: the same patch
-            return Decision(track, xs, gather(data, track.patch, leaf.nbytes // leaf.shape[0]))
+            if track.segments and pc.base_usable(_segment_chunks(track)):
+                return Decision(track, xs, kept=track.segments)  # stored again by reference
+            # Its rows gathered again (one segment): a kept segment's chunk is gone (gc, damage), or none kept.
+            return Decision(dataclasses.replace(track, segments=()), xs,
+                            gather(data, track.patch, leaf.nbytes // leaf.shape[0]))
         same = _same_as_base(track, xs, None)
         if same is not None and all(same):
             return Decision(full, xs)
@@ -152,6 +159,10 @@ def _plan_rows(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
         touched = differing_rows(data, spans, changed_k, track.base_chunks, rb, nrows, pc)
         patch = touched
         digests = RowDigests.of(data, rb)  # later saves of this process compare with this content
+        if pc.segments and not track.trusted and track.segments:
+            dec = _after_disk_segments(leaf, data, track, touched, xs, digests, pc)
+            if dec is not None:
+                return dec
     else:
         touched = None
         if hint is not None:
@@ -170,6 +181,18 @@ def _plan_rows(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
         return Decision(RowTrack(layout(leaf), xxh_track, digests, step, None, _EMPTY), xs)
     budget = pc.policy.rebase_fraction * leaf.nbytes
     cost = patch.size * (rb + 8)
+    if (pc.segments and track.trusted and track.form == "rows" and track.segments and cost <= budget
+            and len(track.segments) < WRITER_SEGMENTS and pc.base_usable(track.base_chunks)):
+        # Segments (§5.2): the previous save's patch stays as it was stored (its chunks by reference) and the rows
+        # changed since that save follow as one more segment, while a restore's reading stays within the cap.
+        new = touched.size * (rb + 8)
+        if (track.segment_bytes(rb) + new <= budget and new * track.cycle_saves <= track.cycle_bytes
+                and pc.base_usable(_segment_chunks(track))):
+            return Decision(RowTrack(layout(leaf), xxh_track, digests, track.base_step, track.base_chunks, patch,
+                                     cycle_bytes=track.cycle_bytes + new, cycle_saves=track.cycle_saves + 1,
+                                     form="rows", xor_skip=track.xor_skip, xor_backoff=track.xor_backoff,
+                                     base_checked=track.base_checked),
+                            xs, gather(data, touched, rb) if touched.size else None, kept=track.segments)
     # Rebase when another delta would raise the average bytes per save since the base (the patch is cumulative,
     # so it only grows; for a growing patch this minimises bytes written), or when it passes the cap.
     if cost <= budget and cost * track.cycle_saves <= track.cycle_bytes and pc.base_usable(track.base_chunks):
@@ -182,6 +205,65 @@ def _plan_rows(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
         return True  # dense update: pause row detection; the caller may store an XOR delta
     return Decision(RowTrack(layout(leaf), xxh_track, digests, step, None, _EMPTY, xor_skip=track.xor_skip,
                              xor_backoff=track.xor_backoff), xs)  # rebase
+
+
+def _after_disk_segments(leaf: Leaf, data: memoryview, track: RowTrack, off_base: np.ndarray, xs: list[str],
+                         digests: RowDigests, pc: PlanContext) -> Decision | None:
+    """A process's first save of a table whose newest manifest on disk kept its patch in segments (§5.2): keep those
+    segments and append the rows whose bytes differ from what base + segments give, when the policy allows. The
+    segments' chunks are read back and verified (their BLAKE3 is what the new manifest lists), their row numbers
+    checked, and every row they name compared with the live bytes; rows off the base (``off_base``, compared with
+    the base's bytes) that no segment names are new. So, as in §5.5, nothing read from disk can make a save skip a
+    row that changed. None: store one segment instead (the caller's path)."""
+    nrows = leaf.shape[0]
+    rb = leaf.nbytes // nrows
+    budget = pc.policy.rebase_fraction * leaf.nbytes
+    chunks = _segment_chunks(track)
+    if (len(track.segments) >= WRITER_SEGMENTS or track.segment_bytes(rb) > budget
+            or not pc.base_usable(chunks)):
+        return None
+    kept, index_parts, value_parts = [], [], []
+    k = 0
+    for n, index, values in track.segments:
+        got = []
+        for part, out in ((index, index_parts), (values, value_parts)):
+            checked = []
+            for c in part:
+                raw = bytes(pc.read_base(c, k))  # verified against c's BLAKE3 (BaseReadError otherwise)
+                k += 1
+                out.append(raw)
+                checked.append((c[0], c[1], xxhash.xxh3_128_hexdigest(raw)))  # never the XXH3 read from disk
+            got.append(tuple(checked))
+        kept.append((n, got[0], got[1]))
+    entry = {"path": leaf.path, "shape": list(leaf.shape), "nbytes": leaf.nbytes,
+             "delta": {"segments": [n for n, _i, _v in track.segments]}}
+    try:
+        segments, _rb = decode_patch(entry, memoryview(b"".join(index_parts)), memoryview(b"".join(value_parts)),
+                                     f"the newest checkpoint of entry {leaf.path!r}")
+    except (CorruptManifestError, ValueError):
+        return None  # row numbers out of order or sizes that do not fit: one segment, compared with the base
+    rows = np.concatenate([i for i, _v in segments])
+    vals = np.concatenate([v for _i, v in segments])
+    last = rows.size - 1 - np.unique(rows[::-1], return_index=True)[1]  # each named row's last occurrence
+    named = rows[last]
+    table = np.frombuffer(data, dtype=np.uint8).reshape(nrows, rb)
+    moved = named[np.any(table[named] != vals[last], axis=1)]  # differ from what base + segments give
+    new = np.union1d(np.setdiff1d(off_base, named, assume_unique=True), moved)
+    patch = np.union1d(off_base, named)
+    cost = new.size * (rb + 8)
+    if (patch.size * (rb + 8) > budget or track.segment_bytes(rb) + cost > budget
+            or cost * track.cycle_saves > track.cycle_bytes):
+        return None
+    return Decision(RowTrack(layout(leaf), tuple(xs), digests, track.base_step, track.base_chunks, patch,
+                             cycle_bytes=track.cycle_bytes + cost, cycle_saves=track.cycle_saves + 1, form="rows",
+                             xor_skip=track.xor_skip, xor_backoff=track.xor_backoff,
+                             base_checked=track.base_checked),
+                    xs, gather(data, new, rb) if new.size else None, kept=tuple(kept))
+
+
+def _segment_chunks(track: RowTrack) -> list[Triple]:
+    """Every chunk of a track's stored patch segments."""
+    return [c for _n, index, values in track.segments for c in (*index, *values)]
 
 
 def differing_rows(data: memoryview, spans: list[tuple[int, int]], ks: list[int], base: list[Triple], rb: int,
@@ -251,6 +333,33 @@ def estimated_cycle(e: dict[str, Any]) -> list[int]:
                                                   for r in d.get(part, [])), 2]
 
 
+def _disk_segments(e: dict[str, Any]) -> tuple[Segment, ...]:
+    """The segments of a row delta on disk, each with its own chunks — () when a segment does not start on a chunk
+    boundary of both the index and the values (then they cannot be kept by reference). Nothing of it is trusted: a
+    save reads the chunks back and checks them before it keeps them (``_after_disk_segments``)."""
+    d = e["delta"]
+    rb = e["nbytes"] // e["shape"][0]
+    out = []
+    cuts: dict[str, list[int]] = {"index": [], "values": []}
+    for part, width in (("index", 8), ("values", rb)):
+        pos, bounds = 0, {0: 0}
+        for k, r in enumerate(d[part]):
+            pos += r[4]
+            bounds[pos] = k + 1
+        at = 0
+        for n in d.get("segments", [d["rows"]]):
+            at += n * width
+            if at not in bounds:
+                return ()
+            cuts[part].append(bounds[at])
+    start_i = start_v = 0
+    for n, ci, cv in zip(d.get("segments", [d["rows"]]), cuts["index"], cuts["values"]):
+        out.append((n, tuple((r[0], r[4], r[6]) for r in d["index"][start_i:ci]),
+                    tuple((r[0], r[4], r[6]) for r in d["values"][start_v:cv])))
+        start_i, start_v = ci, cv
+    return tuple(out)
+
+
 def disk_tracks(doc: dict[str, Any], policy: DeltaPolicy) -> dict[str, RowTrack]:
     """Tracks for a process's first save of a run, from the run's newest manifest: each entry's base chunks (only
     their BLAKE3 addresses are used, and checked against the bytes) and the writer hints of its delta."""
@@ -273,5 +382,5 @@ def disk_tracks(doc: dict[str, Any], policy: DeltaPolicy) -> dict[str, RowTrack]
         xor_bytes = sum({r[0]: r[3] for r in d["chunks"]}.values()) if form == "xor" else 0
         out[e["path"]] = RowTrack(lay, (), None, d["base_step"], base, _EMPTY, cycle_bytes=int(cycle[0]),
                                   cycle_saves=int(cycle[1]), form=form, xor_bytes=xor_bytes, trusted=False,
-                                  base_checked=False)
+                                  base_checked=False, segments=_disk_segments(e) if form == "rows" else ())
     return out

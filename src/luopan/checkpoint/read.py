@@ -54,10 +54,11 @@ class PendingDelta:
     entry_index: int
     index: memoryview
     values: memoryview
-    _decoded: tuple[np.ndarray, np.ndarray, int] | None = None
+    _decoded: tuple[list[tuple[np.ndarray, np.ndarray]], int] | None = None
 
-    def decode(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(row numbers, values, row bytes), checked once (call only after the chunks were read and verified)."""
+    def decode(self) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+        """([(row numbers, values) per segment], row bytes), checked once (call only after the chunks were read and
+        verified)."""
         if self._decoded is None:
             e = self.manifest.entries[self.entry_index]
             self._decoded = decode_patch(e, self.index, self.values,
@@ -66,7 +67,9 @@ class PendingDelta:
 
     def apply(self, out: memoryview, pos: int = 0) -> None:
         """Patch bytes [pos, pos + len(out)) of the entry in ``out`` (the whole entry by default)."""
-        apply_patch(out, pos, *self.decode())
+        segments, row_bytes = self.decode()
+        for index, values in segments:  # in order: a row in a later segment overrides an earlier one (§5.2)
+            apply_patch(out, pos, index, values, row_bytes)
 
 
 class PendingXor:

@@ -4,7 +4,9 @@ An entry with at least two dimensions is a table of ``shape[0]`` rows of ``nbyte
 few rows changed, the manifest lists the chunks of one earlier full version of the entry (its *base*) and the rows
 that differ from it: their indices (sorted int64) and values. The patch is always against the base, never against
 another patch (depth 1), so loading reads the base chunks and the patch, and nothing else. When the patch grows past
-``rebase_fraction`` of the table, the entry is written in full again and becomes the new base.
+``rebase_fraction`` of the table, the entry is written in full again and becomes the new base. In repositories of
+format 7 the patch is kept in segments (runs applied in order): a save keeps the segments the previous save of this
+process stored, by reference, and appends the rows changed since as one more, so it writes those rows only.
 
 Detection: per-chunk XXH3 (computed anyway) finds the chunks that changed since the previous save; within those,
 per-row XXH3-128 digests are compared with the digests of the previous save's rows, which this process keeps in
@@ -75,6 +77,10 @@ class DeltaPolicy:
         return self.eligible(leaf) or self.xor_eligible(leaf)
 
 
+Segment = tuple[int, tuple[tuple[str, int, str], ...], tuple[tuple[str, int, str], ...]]
+WRITER_SEGMENTS = 16  # segments this writer keeps in one patch before it compacts them into one
+
+
 @dataclass(frozen=True)
 class RowTrack:
     """What this process knows about one delta-candidate entry after a committed save (per run, per entry path).
@@ -98,6 +104,14 @@ class RowTrack:
     xor_backoff: int = 0
     trusted: bool = True  # False: read from disk, so xxh and patch are unknown (compare against the base bytes)
     base_checked: bool = True  # the base chunks' XXH3s are this process's own (False: from disk, never used)
+    # How that save stored the patch (form "rows", repositories of format 7): its segments, oldest first, each
+    # (rows, index chunks, values chunks). From disk (``trusted=False``) they are only candidates: a save reads
+    # them back and checks them before it keeps them (deltaplan._after_disk_segments).
+    segments: tuple[Segment, ...] = ()
+
+    def segment_bytes(self, row_bytes: int) -> int:
+        """Bytes a restore reads for the stored segments (values + 8 bytes of index per row)."""
+        return sum(n for n, _i, _v in self.segments) * (row_bytes + 8)
 
 
 @dataclass
@@ -110,6 +124,8 @@ class Decision:
     xor: bool = False  # stored as XOR against the base chunks
     hashes: list[str] | None = None  # BLAKE3 of the current chunks, when the plan computed them
     same: list[bool] | None = None  # XOR deltas: chunks shown equal to the base's (their XOR is all zeros)
+    kept: tuple[Segment, ...] = ()  # row deltas: segments of the previous save's patch stored again by reference;
+    # ``delta`` is then the new segment after them (None: no row changed since that save)
 
 
 def layout(leaf: Leaf) -> tuple[Any, ...]:
@@ -248,13 +264,21 @@ def apply_patch(out: memoryview, pos: int, index: np.ndarray, values: np.ndarray
 
 
 def decode_patch(e: dict[str, Any], index_bytes: memoryview, value_bytes: memoryview, where: str
-                 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(row numbers, values (rows, row_bytes), row_bytes) of a verified delta, after checking the row numbers."""
+                 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """([(row numbers, values (rows, row_bytes)) per segment], row_bytes) of a verified delta, after checking the
+    row numbers: each segment's sorted, unique and in range (docs/format.md §5.2). Segments apply in order."""
     nrows = e["shape"][0]
     row_bytes = e["nbytes"] // nrows
     index = np.frombuffer(index_bytes, dtype="<i8")
-    if index.size and (index[0] < 0 or index[-1] >= nrows or (index.size > 1 and np.any(index[1:] <= index[:-1]))):
-        raise CorruptManifestError(
-            f"{where}: entry {e['path']!r} row delta has row numbers that are not sorted, unique and below {nrows}")
     values = np.frombuffer(value_bytes, dtype=np.uint8).reshape(index.size, row_bytes)
-    return index.astype(np.int64, copy=False), values, row_bytes
+    out = []
+    start = 0
+    for n in e.get("delta", {}).get("segments", [index.size]):
+        seg = index[start : start + n]
+        if seg.size and (seg[0] < 0 or seg[-1] >= nrows or (seg.size > 1 and np.any(seg[1:] <= seg[:-1]))):
+            raise CorruptManifestError(
+                f"{where}: entry {e['path']!r} row delta has row numbers that are not sorted, unique and below "
+                f"{nrows} within a segment")
+        out.append((seg.astype(np.int64, copy=False), values[start : start + n]))
+        start += n
+    return out, row_bytes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,7 @@ import xxhash
 
 from .. import typed
 from .._crash import crashpoint
-from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
+from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION
 from ..errors import IntegrityError, LuopanError
 from ..format.chunking import chunk_spans
 from ..format.index import build_index
@@ -28,12 +27,12 @@ from ..repository.blobcodec import encode_blob
 from ..repository.packwriter import PackChecker, PackWriter, exists_quietly
 from .commit import commit_manifest
 from .grouping import GroupStore
+from .trackstate import TrackUpdates
 from .request import SaveRequest
 from .writectx import SaveResult, WriteContext
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
-from .deltaplan import (BaseReadError, PlanContext, base_scratch, estimated_cycle, plan_entry, xor_into,
-                        zero_chunk)
-from .rowdelta import MAX_BACKOFF, Decision, RowTrack
+from .deltaplan import BaseReadError, PlanContext, base_scratch, plan_entry, xor_into, zero_chunk
+from .rowdelta import Decision
 
 # A chunk to store: (target, bytes, previous row, precomputed XXH3, base chunk to XOR with).
 Item = tuple[int, memoryview, "list[Any] | None", "str | None", "tuple[str, int, str] | None"]
@@ -76,7 +75,7 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
     raise LuopanError(f"run {req.run!r} step {req.step}: delta bases kept failing to read; run `luopan verify`")
 
 
-class _CheckpointWriter(GroupStore):
+class _CheckpointWriter(GroupStore, TrackUpdates):
     """One save in four stages: reuse unchanged entries, store the chunks the store lacks (packs, then the index
     file), build the manifest, commit it (then the ref)."""
 
@@ -93,6 +92,10 @@ class _CheckpointWriter(GroupStore):
         # the index and values of row deltas. Each chunk is (hash, raw size, xxh3).
         self.rows: list[list[tuple[str, int, str]]] = []
         self.deltas: dict[int, tuple[int, int, int, int]] = {}  # entry -> (base step, rows, index/values targets)
+        # Patch segments (§5.2, format 7): entry -> rows of each segment, for the manifest (one segment: absent), and
+        # entry -> (rows, index chunks, values chunks) of each segment this save planned, for its track.
+        self.segment_rows: dict[int, list[int]] = {}
+        self.segment_chunks: dict[int, list[tuple[int, int, int]]] = {}
         self.decisions: dict[int, Decision] = {}
         self.xors: dict[int, tuple[int, int]] = {}  # entry -> (base step, target of its XOR chunks)
         self.stored_by_target: dict[int, int] = {}  # bytes of new blobs per target (what an XOR delta cost)
@@ -144,6 +147,8 @@ class _CheckpointWriter(GroupStore):
                     it, vt = self._target(), self._target(leaf.itemsize)
                     self.rows[it], self.rows[vt] = parts[1], parts[2]
                     self.deltas[i] = (prev["delta"]["base_step"], prev["delta"]["rows"], it, vt)
+                    if "segments" in prev["delta"]:
+                        self.segment_rows[i] = list(prev["delta"]["segments"])
                 elif "xor" in prev:
                     xt = self._target(leaf.itemsize)
                     self.rows[xt] = parts[1]
@@ -157,7 +162,8 @@ class _CheckpointWriter(GroupStore):
         req, ctx, chunk_size = self.req, self.ctx, self.ctx.config.chunk_size
         compression = ctx.config.compression
         pc = PlanContext(ctx.policy, self._usable, self._read_base, pool, compression.codec != "none",
-                         lambda view, width, fast: encode_blob(view, compression, width, fast)[1])
+                         lambda view, width, fast: encode_blob(view, compression, width, fast)[1],
+                         ctx.config.format_version >= SEGMENTS_FORMAT_VERSION)
         for i, leaf in enumerate(req.leaves):
             if leaf.alias_of is not None or i in self.skipped:
                 continue
@@ -178,20 +184,32 @@ class _CheckpointWriter(GroupStore):
                 try:
                     dec = plan_entry(leaf, data, spans, req.step, track, req.hints.get(leaf.path), pc)
                 except BaseReadError as exc:  # read back to compare: damaged. Plan again without that base
-                    warnings.warn(f"run {req.run!r} step {req.step} entry {leaf.path!r}: {exc}; storing the entry in "
-                                  "full instead (`luopan verify` reports the damage)", stacklevel=4)
+                    warnings.warn(f"run {req.run!r} step {req.step} entry {leaf.path!r}: {exc}; storing the entry "
+                                  "without that chunk (in full, or as one patch segment; `luopan verify` reports the "
+                                  "damage)", stacklevel=4)
                     ctx.bad_bases.add(exc.chunk_hash)
                     dec = plan_entry(leaf, data, spans, req.step, track, req.hints.get(leaf.path), pc)
                 self.decisions[i] = dec
                 base = dec.track.base_chunks
-                if dec.delta is not None:  # base chunks (already stored) + changed rows
-                    assert base is not None and dec.delta[0].size > 0
-                    index, values = dec.delta
+                if dec.delta is not None or dec.kept:  # base chunks (already stored) + changed rows
+                    assert base is not None and (dec.kept or dec.delta[0].size > 0)  # type: ignore[index]
                     self.rows[i] = list(base)
                     it, vt = self._target(), self._target(leaf.itemsize)
-                    self.deltas[i] = (dec.track.base_step, int(index.size), it, vt)
-                    for t, buf in ((it, memoryview(index.astype("<i8").tobytes())), (vt, values)):
-                        for off, length in chunk_spans(len(buf), (len(buf),), chunk_size)[1]:
+                    # Segments kept from the previous save come first, by reference; the new one (if any) after.
+                    layout = [(n, len(ix), len(vx)) for n, ix, vx in dec.kept]
+                    self.rows[it] = [c for _n, ix, _v in dec.kept for c in ix]
+                    self.rows[vt] = [c for _n, _i, vx in dec.kept for c in vx]
+                    if dec.delta is None:
+                        self._segments(i, dec.track.base_step, it, vt, layout)
+                        continue
+                    index, values = dec.delta
+                    ibuf = memoryview(index.astype("<i8").tobytes())
+                    ispans = chunk_spans(len(ibuf), (len(ibuf),), chunk_size)[1]
+                    vspans = chunk_spans(len(values), (len(values),), chunk_size)[1]
+                    layout.append((int(index.size), len(ispans), len(vspans)))
+                    self._segments(i, dec.track.base_step, it, vt, layout)
+                    for t, buf, pieces in ((it, ibuf, ispans), (vt, values, vspans)):
+                        for off, length in pieces:
                             yield t, buf[off : off + length], None, None, None
                     continue
                 if dec.xor:  # base chunks (already stored) + this content XOR the base, chunk by chunk
@@ -212,6 +230,14 @@ class _CheckpointWriter(GroupStore):
             for k, (off, length) in enumerate(spans):
                 yield (i, data[off : off + length], prev[k] if k < len(prev) else None,
                        xs[k] if xs is not None else None, None)
+
+    def _segments(self, i: int, base_step: int, it: int, vt: int, layout: list[tuple[int, int, int]]) -> None:
+        """Record entry ``i``'s row delta: (rows, index chunks, values chunks) of each segment, oldest first."""
+        self.deltas[i] = (base_step, sum(n for n, _i, _v in layout), it, vt)
+        if self.ctx.config.format_version >= SEGMENTS_FORMAT_VERSION:
+            self.segment_chunks[i] = layout
+            if len(layout) > 1:
+                self.segment_rows[i] = [n for n, _i, _v in layout]
 
     def _read_base(self, chunk: tuple[str, int, str], k: int) -> memoryview:
         """The verified bytes of a base chunk, in this thread's scratch buffer (BaseReadError when unreadable)."""
@@ -338,13 +364,16 @@ class _CheckpointWriter(GroupStore):
                 base_step, nrows, it, vt = deltas[i]
                 e["delta"] = {"base_step": base_step, "rows": nrows, "index": manifest_rows(it),
                               "values": manifest_rows(vt), "cycle": self._cycle(i)}
+                if i in self.segment_rows:
+                    e["delta"]["segments"] = self.segment_rows[i]
             elif i in self.xors:
                 base_step, xt = self.xors[i]
                 e["xor"] = {"base_step": base_step, "chunks": manifest_rows(xt), "cycle": self._cycle(i)}
         doc: dict[str, Any] = {
             # §1: the oldest version that describes it (5: deltas with writer hints, XOR deltas, new codecs;
             # 3: typed values)
-            "format_version": (ENGINE2_FORMAT_VERSION if deltas or self.xors or uses_new_codecs(entries)
+            "format_version": (SEGMENTS_FORMAT_VERSION if self.segment_rows
+                               else ENGINE2_FORMAT_VERSION if deltas or self.xors or uses_new_codecs(entries)
                                else typed.TYPED_FORMAT_VERSION if typed.present(req.skeleton)
                                else BASE_FORMAT_VERSION),
             "run": req.run,
@@ -372,43 +401,6 @@ class _CheckpointWriter(GroupStore):
         if req.inputs:
             doc["inputs"] = list(req.inputs)
         return doc
-
-    def _stored_length(self, t: int) -> int:
-        """Stored bytes of a target's chunks, wherever they live (what its content costs in the repository)."""
-        return sum((self.new_locations.get(h) or self.ctx.known[h]).length for h in {h for h, _s, _x in self.rows[t]})
-
-    def _track_after(self, i: int) -> RowTrack:
-        """Entry ``i``'s track once this save commits."""
-        track = self.decisions[i].track
-        if i in self.xors:
-            cost = self.stored_by_target.get(self.xors[i][1], 0)  # written now (chunks already stored are free)
-            size = self._stored_length(self.xors[i][1])  # what the delta takes: the next one's estimate
-            track = dataclasses.replace(track, cycle_bytes=track.cycle_bytes + cost,
-                                        cycle_saves=track.cycle_saves + 1, xor_bytes=size)
-            if size > self.ctx.policy.xor_fraction * self.req.leaves[i].nbytes:  # did not pay: pause XOR deltas
-                backoff = min(MAX_BACKOFF, max(1, 2 * track.xor_backoff))
-                track = dataclasses.replace(track, xor_skip=backoff, xor_backoff=backoff)
-        elif i not in self.deltas:  # stored in full: this version is the base for later deltas
-            track = dataclasses.replace(track, base_step=self.req.step, base_chunks=self.rows[i], form="full",
-                                        cycle_bytes=max(1, self._stored_length(i)), cycle_saves=1, xor_bytes=0)
-        return track
-
-    def _cycle(self, i: int) -> list[int]:
-        """[bytes written since and including the base, saves] after this save: a writer's hint (§5.4)."""
-        if i not in self.decisions:  # reused as it was (trust_versions): its hint stands
-            return estimated_cycle(self.ctx.previous[self.req.leaves[i].path])
-        t = self._track_after(i)
-        return [t.cycle_bytes, t.cycle_saves]
-
-    def tracks(self) -> dict[str, RowTrack]:
-        """Delta state of the candidate entries after this save (docs/format.md §5.2, §5.4)."""
-        out: dict[str, RowTrack] = {}
-        for i, leaf in enumerate(self.req.leaves):
-            if i in self.decisions:
-                out[leaf.path] = self._track_after(i)
-            elif i in self.skipped and leaf.path in self.ctx.tracks:
-                out[leaf.path] = self.ctx.tracks[leaf.path]
-        return out
 
     # -- stage 4 ----------------------------------------------------------------------------------------------
     def commit(self, doc: dict[str, Any], file_doc: dict[str, Any]) -> SaveResult:

@@ -187,7 +187,8 @@ def show(
                     "entries": [{k: e[k] for k in ("path", "kind", "dtype", "shape", "nbytes")}
                                 | ({"chunks": len(e["chunks"])} if "chunks" in e else {"alias_of":
                                    m.entries[e["alias_of"]]["path"]})
-                                | ({"delta": {"base_step": e["delta"]["base_step"], "rows": e["delta"]["rows"]}}
+                                | ({"delta": {"base_step": e["delta"]["base_step"], "rows": e["delta"]["rows"],
+                                             "segments": e["delta"].get("segments", [e["delta"]["rows"]])}}
                                    if "delta" in e else {})
                                 | ({"xor": {"base_step": e["xor"]["base_step"]}} if "xor" in e else {})
                                 for e in m.entries]})
@@ -218,6 +219,8 @@ def show(
         chunks = str(len(e["chunks"])) if "chunks" in e else f"= {m.entries[e['alias_of']]['path']}"
         if "delta" in e:  # docs/format.md §5.2
             chunks += f" + {e['delta']['rows']} rows over step {e['delta']['base_step']}"
+            if "segments" in e["delta"]:
+                chunks += f" in {len(e['delta']['segments'])} segments"
         elif "xor" in e:  # docs/format.md §5.4
             chunks += f" XOR over step {e['xor']['base_step']}"
         t.add_row(e["path"], e["kind"], e["dtype"], str(tuple(e["shape"])), human(e["nbytes"]), chunks)

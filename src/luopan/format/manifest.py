@@ -15,7 +15,7 @@ from fastjsonschema import JsonSchemaException
 from ..errors import CorruptManifestError
 from .. import typed
 from ..tree import itemsize
-from . import ENGINE2_FORMAT_VERSION, refuse_newer
+from . import ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION, refuse_newer
 from .groups import GROUPS_FORMAT_VERSION, ReadBlob, expand
 from .canonical import SealError, canonical, compress_json, digest, inflate_json, parse_object, seal, verify_seal
 from .limits import MAX_MANIFEST_BYTES, MAX_NBYTES, MAX_NDIM, shape_fits
@@ -246,8 +246,14 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
             if e.get("scalar") or not e["shape"] or e["shape"][0] == 0:
                 raise bad(f"entry {path!r} has a row delta but no rows")
             nrows = e["shape"][0]
-            if d["rows"] > nrows:
-                raise bad(f"entry {path!r} delta names {d['rows']} rows of {nrows}")
+            segments = d.get("segments", [d["rows"]])
+            if "segments" in d and doc["format_version"] < SEGMENTS_FORMAT_VERSION:
+                raise bad(f"entry {path!r} has a row delta in segments, which format_version "
+                          f"{doc['format_version']} lacks")
+            if sum(segments) != d["rows"]:
+                raise bad(f"entry {path!r} delta segments {segments[:8]} do not add up to its {d['rows']} rows")
+            if max(segments) > nrows:
+                raise bad(f"entry {path!r} delta names {max(segments)} rows in one segment, of {nrows}")
             if chunk_bytes(d["index"], npacks, path, bad) != 8 * d["rows"]:
                 raise bad(f"entry {path!r} delta index is not {d['rows']} int64 row numbers")
             if chunk_bytes(d["values"], npacks, path, bad) != d["rows"] * (e["nbytes"] // nrows):
