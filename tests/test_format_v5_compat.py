@@ -5,19 +5,14 @@ version 5 still opens it afterwards."""
 
 import json
 import os
-import shutil
 
-import numpy as np
 import pytest
-import torch
-import zstandard
 
 import luopan
 import luopan.format
 from luopan.format.manifest import stored_rows
-from luopan.format.names import manifest_key
 
-from .helpers import assert_exact, data_module
+from .helpers import assert_lora_loads, config_version, data_module, sample_copy, zstd_manifest_doc
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SAMPLE = os.path.join(DATA, "v5_repo")
@@ -30,46 +25,14 @@ NEW_STEPS = [gen.STEPS[-1] + 1, gen.STEPS[-1] + 2]  # what this luopan adds to t
 
 @pytest.fixture
 def sample(tmp_path):
-    """A private copy of the sample's repository (a test must never modify tests/data)."""
-    dest = tmp_path / "v5"
-    shutil.copytree(SAMPLE, dest)
-    return dest / "auto"
+    return sample_copy(SAMPLE, tmp_path)
 
 
-def file_doc(root, run, step):
-    """The manifest file's own document (a format-5 repository's manifests are zstd frames of sealed JSON)."""
-    with open(os.path.join(root, manifest_key(run, step)), "rb") as f:
-        data = f.read()
-    assert data.startswith(ZSTD_MAGIC), "a format-5 repository with compression auto compresses its manifests"
-    return json.loads(zstandard.ZstdDecompressor().decompress(data))
-
-
-def config_version(root):
-    with open(os.path.join(root, "luopan.json"), "rb") as f:
-        return json.loads(f.read())["format_version"]
-
-
-def zeroed(tree):
-    """A target for load_into with the expected structure and every tensor and array zeroed."""
-    if isinstance(tree, dict):
-        return {k: zeroed(v) for k, v in tree.items()}
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
-    if isinstance(tree, np.ndarray):
-        return np.zeros_like(tree)
-    return tree
+file_doc = zstd_manifest_doc  # a format-5 repository's manifests are zstd frames of sealed JSON
 
 
 def assert_loads_exactly(repo, steps):
-    assert repo.steps("lora") == steps
-    for step in steps:
-        expected = gen.lora_state(step)
-        assert_exact(repo.load("lora", step), expected)
-        assert repo.manifest("lora", step).metrics == gen.metrics(step)
-        target = zeroed(expected)
-        repo.load_into("lora", target, step)
-        assert_exact(target["model"], expected["model"])
-        assert_exact(target["table"], expected["table"])
+    assert_lora_loads(repo, gen, steps)
 
 
 def test_the_sample_is_what_the_generator_describes():

@@ -93,33 +93,48 @@ def main(out: str) -> None:
     if FORMAT_VERSION != 5:
         sys.exit(f"this luopan writes format version {FORMAT_VERSION}; run with PYTHONPATH=<checkout of cdafbe7>/src")
     print(f"luopan from {luopan.__file__} (format version {FORMAT_VERSION})")
+    run_neutral(out, "make_v5_repo.py", lambda path: _write(path, luopan))
+
+
+def run_neutral(out: str, script: str, write) -> None:
+    """``write(out)`` into a fresh directory ``out``, with nothing of this machine in the run records it writes (also
+    used by make_v6_repo.py); then removes empty directories, which git would not keep."""
     out = os.path.abspath(out)
     if os.path.exists(out):
         shutil.rmtree(out)
     os.makedirs(out)
     # Run records (§8.1) capture argv, cwd, the environment and the git diff of the cwd: keep them neutral.
-    home, scratch = os.getcwd(), tempfile.mkdtemp(prefix="make_v5_repo-")
+    home, scratch = os.getcwd(), tempfile.mkdtemp(prefix=script.split(".")[0] + "-")
     os.chdir(scratch)
     os.environ.clear()
     os.environ["PATH"] = "/usr/bin:/bin"
-    sys.argv = ["make_v5_repo.py"]
+    sys.argv = [script]
     try:
-        _write(out, luopan)
+        write(out)
     finally:
         os.chdir(home)
         shutil.rmtree(scratch)
+    for dirpath, dirs, files in os.walk(out, topdown=False):  # git keeps no empty directory (locks/): neither do we
+        if not dirs and not files:
+            os.rmdir(dirpath)
 
 
-def _write(out: str, luopan) -> None:
-    from luopan.format.manifest import stored_rows  # the luopan being run (cdafbe7 has it too)
-
+def write_run(out: str, luopan):
+    """Saves run ``lora``'s STEPS into ``out/auto``; returns (its path, the open repo, the manifests' documents, their
+    entries) (also used by make_v6_repo.py)."""
     root = os.path.join(out, "auto")
     repo = luopan.open(root, chunk_size=CHUNK, pack_size=PACK,
                        delta_policy=luopan.DeltaPolicy(min_bytes=4096, xor_min_bytes=4096))
     for step in STEPS:
         repo.save("lora", step, lora_state(step), metrics=metrics(step))
     docs = [repo.manifest("lora", step).doc for step in STEPS]
-    entries = [e for d in docs for e in d["entries"]]
+    return root, repo, docs, [e for d in docs for e in d["entries"]]
+
+
+def _write(out: str, luopan) -> None:
+    from luopan.format.manifest import stored_rows  # the luopan being run (cdafbe7 has it too)
+
+    root, repo, docs, entries = write_run(out, luopan)
     assert sum(1 for e in docs[0]["entries"] if e.get("kind") in ("torch", "numpy")) >= 40
     assert any("xor" in e for e in entries), "no XOR delta"
     assert any("delta" in e for e in entries), "no row delta"
@@ -129,9 +144,6 @@ def _write(out: str, luopan) -> None:
     repo.close()
     with open(os.path.join(root, "luopan.json"), "rb") as f:
         assert json.loads(f.read())["format_version"] == 5
-    for dirpath, dirs, files in os.walk(out, topdown=False):  # git keeps no empty directory (locks/): neither do we
-        if not dirs and not files:
-            os.rmdir(dirpath)
 
 
 if __name__ == "__main__":
