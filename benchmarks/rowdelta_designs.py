@@ -20,12 +20,16 @@ Layouts:
   applied in order; compaction by the average rule one level down.
 * ``region-bases-R``: the table's base itself cut into R-row chunks, each rebased on its own (a region whose patch
   passes the average rule or the cap is stored in full again); no manifest cost counted, so an upper bound.
+* ``segments``: what luopan builds in repositories of format 7 (§5.2 "Segments"): the patch kept as segments, each
+  the rows changed in one interval, applied in order; a save appends one while the segments (stale copies of rows
+  changed again included) stay within the cap and number at most 16, else compacts them into one (the union), else
+  rebases the whole table (average rule and cap as ``flat``).
 * ``ideal-one-rebase``: the patch costs only the rows changed in the interval (no rewriting of the cumulative
   patch), with one whole-table rebase when the union of changed rows passes the cap: what any layout that still
   rebases the whole table could at best reach.
 
 Run: ``.venv/bin/python benchmarks/rowdelta_designs.py [--rows 1048576] [--intervals 20] [--cap 0.08] [--json OUT]``
-(about a minute at full size).
+(a few seconds at full size).
 """
 
 from __future__ import annotations
@@ -143,6 +147,32 @@ def region_bases(ch: list[np.ndarray], rows: int, cap: float, r: int) -> int:
     return written
 
 
+def segments(ch: list[np.ndarray], rows: int, cap: float, max_segments: int = 16) -> int:
+    full = rows * ROW_BYTES
+    union = np.zeros(rows, bool)
+    segs: list[int] = []  # bytes of each segment
+    cyc_bytes, cyc_n, written = full, 1, 0
+    for c in ch:
+        nu = union.copy()
+        nu[c] = True
+        p = int(nu.sum()) * (ROW_BYTES + 8)
+        new = len(c) * (ROW_BYTES + 8)
+        if (segs and p <= cap * full and len(segs) < max_segments and sum(segs) + new <= cap * full
+                and new * cyc_n <= cyc_bytes):
+            segs.append(new)
+            w = new
+        elif p <= cap * full and p * cyc_n <= cyc_bytes:
+            segs, w = [p], p
+        else:
+            segs, w = [], full
+            nu[:] = False
+            cyc_bytes, cyc_n = 0, 0
+        union = nu
+        written += w + DENSE
+        cyc_bytes, cyc_n = cyc_bytes + w, cyc_n + 1
+    return written
+
+
 def ideal_one_rebase(ch: list[np.ndarray], rows: int, cap: float) -> int:
     full = rows * ROW_BYTES
     union = np.zeros(rows, bool)
@@ -168,6 +198,7 @@ def simulate(rows: int = 1 << 20, intervals: int = 20, cap: float = 0.08,
         "regions-64+meta": lambda: regions(ch, rows, cap, 64, True),
         "regions-256+meta": lambda: regions(ch, rows, cap, 256, True),
         "two-level": lambda: two_level(ch, rows, cap),
+        "segments": lambda: segments(ch, rows, cap),
         "region-bases-64": lambda: region_bases(ch, rows, cap, 64),
         "region-bases-256": lambda: region_bases(ch, rows, cap, 256),
         "ideal-one-rebase": lambda: ideal_one_rebase(ch, rows, cap),
