@@ -258,6 +258,8 @@ def test_export_and_diff_read_segmented_patches(tmp_path):
     out = tmp_path / "x.safetensors"
     r.repo.export("run", out, 3)
     assert load_file(str(out))["emb"].tobytes() == r.saved[3].tobytes()
+    diff = r.repo.diff("run", 2, 3)  # step 3 keeps step 2's segments and adds one: the entry changed
+    assert [c["path"] for c in diff["changed"]] == ["emb"] and diff["same_structure"]
 
 
 def test_format_6_repositories_keep_one_cumulative_patch(tmp_path):

@@ -5,8 +5,9 @@ few rows changed, the manifest lists the chunks of one earlier full version of t
 that differ from it: their indices (sorted int64) and values. The patch is always against the base, never against
 another patch (depth 1), so loading reads the base chunks and the patch, and nothing else. When the patch grows past
 ``rebase_fraction`` of the table, the entry is written in full again and becomes the new base. In repositories of
-format 7 the patch is kept in segments (runs applied in order): a save keeps the segments the previous save of this
-process stored, by reference, and appends the rows changed since as one more, so it writes those rows only.
+format 7 the patch is kept in segments (runs applied in order): a save keeps the segments the previous save stored,
+by reference (read back and checked first when another process wrote them, §5.5), and appends the rows changed since
+as one more, so it writes those rows only.
 
 Detection: per-chunk XXH3 (computed anyway) finds the chunks that changed since the previous save; within those,
 per-row XXH3-128 digests are compared with the digests of the previous save's rows, which this process keeps in

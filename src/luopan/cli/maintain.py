@@ -66,9 +66,9 @@ def upgrade(
     """Raise the repository's format version to this luopan's, so later saves use what it adds: at version 6,
     checkpoint manifests keep the entries that did not change since the previous checkpoint in shared entry groups
     (docs/format.md §8.5); at version 7, a row delta keeps the part of its patch stored by the previous checkpoint
-    and adds only the rows changed since (patch segments, §5.2). Nothing stored is rewritten, and every checkpoint loads as before; but luopan of an older
-    format refuses the repository afterwards (upgrade it first). Takes the exclusive lock, so saves in flight finish
-    first."""
+    and adds only the rows changed since (patch segments, §5.2). Nothing stored is rewritten, and every checkpoint
+    loads as before; but luopan of an older format refuses the repository afterwards (upgrade it first). Takes the
+    exclusive lock, so saves in flight finish first."""
     r = open_repo(repo_location(repo))
     before = r.config.format_version
     after = max(before, FORMAT_VERSION)
@@ -83,7 +83,8 @@ def upgrade(
     else:
         verb = "would raise" if dry_run else "raised"
         out.print(f"{verb} {r.store.describe()} from format {before} to {after}: later checkpoint manifests keep "
-                  f"unchanged entries in entry groups and row deltas in segments; luopan reading only format {before} or older now refuses it")
+                  f"unchanged entries in entry groups and row deltas in segments; luopan reading only format "
+                  f"{before} or older now refuses it")
     r.close()
 
 

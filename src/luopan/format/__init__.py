@@ -20,8 +20,8 @@ ENGINE2_FORMAT_VERSION = 5
 # Patch segments (docs/format.md §5.2): a row delta's patch kept as several runs of rows, applied in order, so rows
 # that did not change since the previous save keep their stored patch chunks. A manifest using them says 7, as does
 # a repository created with "auto" compression.
+# Readers accept 2 to 64 segments in one row delta (manifest.schema.json); luopan's writer keeps at most 16.
 SEGMENTS_FORMAT_VERSION = 7
-MAX_SEGMENTS = 64  # segments a reader accepts in one row delta (luopan's writer keeps at most 16)
 
 
 def refuse_newer(obj: dict[str, Any], where: str) -> None:
