@@ -456,3 +456,24 @@ def test_a_damaged_group_is_stored_again_not_named_by_later_saves(lora):
         with pytest.raises(luopan.IntegrityError):
             fresh.load("run", 3)  # names the damaged copy
         assert_exact(fresh.load("run", 4), state(4, base))
+
+
+def test_a_process_reads_each_reused_group_back_once(lora, monkeypatch):
+    """A group blob this process has read back intact is named again without another read while its pack is
+    unchanged (the damage test above shows a changed pack is read again)."""
+    from luopan.checkpoint import grouping
+
+    root, repo, _saved, base = lora
+    reads = []
+    real = grouping.read_chunk
+    monkeypatch.setattr(grouping, "read_chunk", lambda store, ref, out, *a: reads.append(ref.hash) or
+                        real(store, ref, out, *a))
+    repo.save("run", 4, state(4, base))
+    repo.save("run", 5, state(5, base))
+    named = {r[0] for r in file_doc(root, "run", 5)["groups"]}
+    assert named and reads == []  # the fixture's saves 2 and 3 already read these groups back
+    assert_exact(repo.load("run", 5), state(5, base))
+    with luopan.open(root) as fresh:  # a new process reads each group it names again once
+        fresh.save("run", 6, state(6, base))
+        fresh.save("run", 7, state(7, base))
+    assert sorted(reads) == sorted({r[0] for r in file_doc(root, "run", 6)["groups"]})

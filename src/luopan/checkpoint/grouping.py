@@ -83,11 +83,16 @@ class GroupStore:
         (a few KiB; a damaged group would make every manifest naming it unreadable, not just one entry)."""
         if not self.checker.reusable(loc):
             return False
+        signature = self.checker.intact.get(loc.pack)
+        if signature is not None and self.ctx.checked_groups.get(h) == (loc.pack, loc.offset, signature):
+            return True  # read back by an earlier save of this process, and its pack has not changed since
         try:
             read_chunk(self.ctx.store, ChunkRef("entry group", "(entry group)", 0, h, loc.pack, loc.offset, loc.length,
                                                 loc.size, loc.codec), memoryview(bytearray(loc.size)))
         except (LuopanError, OSError):
             return False  # stored again, in this save's pack
+        if signature is not None:
+            self.ctx.checked_groups[h] = (loc.pack, loc.offset, signature)
         return True
 
     def store_groups(self, doc: dict[str, Any]) -> dict[str, Any]:

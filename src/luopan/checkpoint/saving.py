@@ -57,6 +57,7 @@ class Saving(RepositoryCore):
         self._grouping: dict[str, dict[str, dict[str, Any]]] = {}  # run -> what its next save groups by (§8.5)
         self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
         self._bad_bases: set[str] = set()  # chunks found damaged when read back as a delta base (§5.5)
+        self._checked_groups: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # entry groups read back intact
         self._recorded: set[str] = set()  # runs whose record this process has written or found
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         # key path -> (hash, size, xxh3) per chunk this process last stored there in parts (store_entries)
@@ -321,7 +322,7 @@ class Saving(RepositoryCore):
             context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
                                    self._delta_tracks(plan.run, newest), self.delta_policy, self._intact_packs,
                                    self._bad_bases, started, stall, progress.advance,
-                                   self._grouping_basis(plan.run, newest))
+                                   self._grouping_basis(plan.run, newest), self._checked_groups)
             with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
                 result = write_checkpoint(context, plan)
         except BaseException:

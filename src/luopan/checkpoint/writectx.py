@@ -39,3 +39,6 @@ class WriteContext:
     progress: Callable[[int], None] | None = None  # called with the bytes of each chunk hashed
     # path -> entry (rows naming pack ids) of the run's previous save: unchanged entries keep sharing entry groups (§8.5)
     grouping: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # group hash -> (pack id, offset, that pack's signature in intact_packs) when the blob was last read back and
+    # found intact (§8.5): named again without a read while the pack stays as it was (shared across saves)
+    checked_groups: dict[str, tuple[str, int, tuple[int, ...]]] = field(default_factory=dict)
