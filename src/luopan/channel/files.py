@@ -1,19 +1,24 @@
 """Local files of a channel and of a device: small files replaced atomically (a temporary file in the same
 directory, fsync, rename, fsync of the directory), moving a finished file into place, and the channel's publish
-lock. Failures are luopan errors naming the file (StorageFullError on a full disk, OutputPathError otherwise)."""
+lock, and the publisher's private scratch directory. Failures are luopan errors naming the file (StorageFullError on
+a full disk, OutputPathError otherwise)."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
+import secrets
+import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import blake3
 
 from .._files import _unlink, fsync_dir, replace_atomic, write_atomic, write_error  # noqa: F401  (this module's API)
-from ..errors import LockedError
+from ..errors import IntegrityError, LockedError, UsageError
 
 LOCK_NAME = ".publish.lock"
 
@@ -67,7 +72,7 @@ def publish_lock(channel_dir: str) -> Iterator[None]:
     never both write version N + 1. LockedError at once when another publish holds it."""
     path = os.path.join(channel_dir, LOCK_NAME)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise write_error(exc, path) from None
     try:
@@ -79,3 +84,147 @@ def publish_lock(channel_dir: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def fd_blake3(fd: int) -> tuple[int, str]:
+    """(size, BLAKE3 hex) of the file open at ``fd``, hashed on every core: the bytes of that very file, whatever
+    its path names meanwhile."""
+    size = os.fstat(fd).st_size
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if size:
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+            h.update(mm)
+    return size, h.hexdigest()
+
+
+def real_dir(path: str, what: str) -> None:
+    """UsageError unless ``path`` is a directory itself, not a symbolic link to one (nothing is created or deleted
+    through a link a neighbour planted)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UsageError(f"cannot use {what} {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise UsageError(f"{what} {path} is {kind}: luopan writes and deletes only in a real directory; move it "
+                         "away (and look at who put it there)")
+
+
+class Scratch:
+    """A private scratch directory this publish created itself (``mkdir`` of a fresh, unpredictable name, mode 0700)
+    and holds open: its files are opened, hashed and moved through the directory's descriptor, never through a
+    path a neighbour could swap, and it is removed without following any link."""
+
+    def __init__(self, parent_fd: int, parent: str, name: str, fd: int) -> None:
+        self.parent_fd, self.parent, self.name, self.fd = parent_fd, parent, name, fd
+        self.path = os.path.join(parent, name)
+
+    def file(self, name: str) -> str:
+        """The path to hand a writer (export, patch create) for the scratch file ``name``."""
+        return os.path.join(self.path, name)
+
+    def open_written(self, name: str) -> int:
+        """A read-only descriptor of the file ``name`` a writer just made in this directory: opened through the
+        directory's descriptor without following a link, and checked to be a regular file of ours with one link.
+        IntegrityError when it is not (the scratch path was swapped while it was written): nothing is published."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as exc:
+            raise self._swapped(name, exc.strerror or str(exc)) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            raise self._swapped(name, "it is not a regular file of ours with one link")
+        return fd
+
+    def move(self, name: str, dst: str) -> None:
+        """Rename the finished, fsynced scratch file ``name`` (the entry in this very directory) to ``dst``,
+        durably."""
+        try:
+            os.replace(name, dst, src_dir_fd=self.fd)
+            fsync_dir(os.path.dirname(os.path.abspath(dst)))
+        except OSError as exc:
+            raise write_error(exc, dst) from None
+
+    def remove(self) -> None:
+        """Delete the directory and everything in it, following no link."""
+        try:
+            empty_dir(self.fd)
+            os.rmdir(self.name, dir_fd=self.parent_fd)
+        except OSError:
+            pass  # a leftover is removed by the next publish
+        finally:
+            os.close(self.fd)
+            os.close(self.parent_fd)
+
+    def _swapped(self, name: str, why: str) -> IntegrityError:
+        return IntegrityError(
+            f"the scratch file {self.file(name)} luopan wrote cannot be read back from the directory it created "
+            f"({why}): its path was changed while publishing, perhaps by someone with write access to "
+            f"{self.parent}'s parent. Nothing was published; make that directory writable by you alone")
+
+
+def empty_dir(dir_fd: int) -> None:
+    """Delete every entry of the directory open at ``dir_fd`` without following links: a link is unlinked itself,
+    a directory is removed with the descriptor-based ``shutil.rmtree`` (which never follows a link either)."""
+    for entry in os.listdir(dir_fd):
+        st = os.lstat(entry, dir_fd=dir_fd)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(entry, dir_fd=dir_fd)
+        else:
+            os.unlink(entry, dir_fd=dir_fd)
+
+
+def make_scratch(candidates: list[tuple[str, str]], device: int) -> Scratch:
+    """A fresh Scratch in the first usable ``(parent, container)`` of ``candidates``: ``container`` (created mode
+    0700 when missing) must be a directory of ours on file system ``device`` — opened without following a link —
+    and only we may write in it; its leftovers (of publishes that were interrupted) are removed, then a directory of
+    a fresh random name is made inside. UsageError naming each refusal when none is usable."""
+    refused = []
+    for parent, container in candidates:
+        where = os.path.join(parent, container)
+        try:
+            pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            refused.append(f"{parent}: {exc.strerror or exc}")
+            continue
+        try:
+            cfd = _open_container(pfd, container, where, device)
+        except OSError as exc:
+            os.close(pfd)
+            refused.append(f"{where}: {exc.strerror or exc}")
+            continue
+        try:
+            empty_dir(cfd)
+            name = f"publish-{secrets.token_hex(12)}"
+            os.mkdir(name, 0o700, dir_fd=cfd)  # never follows a link: fails if anything has the name
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cfd)
+        except OSError as exc:
+            os.close(cfd)
+            os.close(pfd)
+            refused.append(f"{where}: {exc.strerror or exc}")
+            continue
+        os.close(pfd)
+        return Scratch(cfd, where, name, fd)
+    raise UsageError("publish found no private scratch directory it could use: " + "; ".join(refused)
+                     + ". Remove what is in the way (a link or a directory of another user), or make the channel's "
+                     "parent directory writable by you")
+
+
+def _open_container(pfd: int, container: str, where: str, device: int) -> int:
+    """The descriptor of the scratch container ``container`` under ``pfd`` (created when missing); OSError when it
+    is a link, not a directory, not ours, or on another file system (a rename must move files into place)."""
+    try:
+        os.mkdir(container, 0o700, dir_fd=pfd)
+    except FileExistsError:
+        pass
+    fd = os.open(container, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    st = os.fstat(fd)
+    why = ("it belongs to another user" if st.st_uid != os.geteuid() else
+           "it is on another file system than the channel" if st.st_dev != device else None)
+    if why is not None:
+        os.close(fd)
+        raise OSError(errno.EPERM, why)
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, 0o700)  # ours: nobody else may rename what is inside
+    return fd

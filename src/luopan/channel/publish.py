@@ -8,9 +8,11 @@ A channel is a directory any web server can serve as it is:
 
 Write order (§15.5): the current index must verify against the signing key (or a key given as trusted, to move
 the channel to a new key), and every file the new index keeps from it must still have its listed size and BLAKE3 —
-publish never signs what it did not check. The new full file and patches are written in a scratch directory beside
-the channel (not served; ``.tmp/`` inside it, mode 0700, when the parent cannot hold it), fsynced and renamed into
-place; the index naming them is written after, atomically; only then are files that neither the new index nor the
+publish never signs what it did not check. The new full file and patches are written in a fresh scratch directory
+that publish creates itself (a random name, mode 0700, in a private container beside the channel — not served — or
+in ``.tmp/`` inside it when the parent cannot hold it; a link in the way is never followed), read back, hashed and
+fsynced through descriptors of the files luopan wrote and renamed into place from that directory's descriptor, so
+the bytes the index lists are the bytes luopan wrote; the index naming them is written after, atomically; only then are files that neither the new index nor the
 one it replaced names deleted — a file leaves one publish after its last index, so a device that read the previous
 index keeps its download. A reader never sees an index naming a missing file (except one deleted by a *later*
 publish, which a pull meets as "missing" and answers by reading the index again). Publishing content equal to the
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable
@@ -36,12 +37,13 @@ from ..errors import (
     UsageError,
 )
 from ..format.names import check_run, check_step, is_run_name
-from ..patch import create, fingerprint_file
+from ..patch import create
+from ..patch.basefile import hash_file
 from ..repo import Repo
 from ..repo import open as open_repo
 from ..signing import SigningKey, TrustedKeys, load_signing_key
 from ..units import parse_duration
-from .files import file_blake3, fsync_dir, fsync_file, move_into_place, publish_lock, write_atomic
+from .files import Scratch, fd_blake3, make_scratch, publish_lock, real_dir, write_atomic
 from .index import (
     INDEX_NAME,
     MAX_INDEX_BYTES,
@@ -57,6 +59,7 @@ from .index import (
 
 MAX_KEEP = 100
 TMP_DIR = ".tmp"
+FULL_TMP, PATCH_TMP = "full.safetensors", "patch.lpatch"  # names in the scratch directory
 
 
 def publish(
@@ -114,6 +117,8 @@ def publish(
             os.makedirs(os.path.join(root, d), exist_ok=True)
     except OSError as exc:
         raise UsageError(f"cannot create the channel directory {root}: {exc.strerror or exc}") from None
+    for d in ("full", "patches"):  # files are renamed into them and deleted from them: never through a link
+        real_dir(os.path.join(root, d), "the channel's directory")
     with publish_lock(root):
         prev = _previous(root, key, trusted, min_version)
         chunk_size = r.config.chunk_size
@@ -121,39 +126,49 @@ def publish(
         version = max((prev.version if prev else 0) + 1, min_version or 1)
         if version > MAX_INDEX_VERSION:
             raise UsageError(f"the channel {root} has used every index version: start a new channel")
-        tmp = scratch_dir(root)
-        _clear(tmp)
-        say(f"exporting {run} step {step}" + (f" ({subtree})" if subtree else ""))
-        full_tmp = os.path.join(tmp, "full.safetensors")
-        r.export(run, full_tmp, step, subtree=subtree)
-        fingerprint = fingerprint_file(full_tmp, chunk_size)
-        if prev is not None and prev.latest.fingerprint == fingerprint:
-            say(f"{run} step {step} is the newest version's content: renewing the index only")
-            kept = list(prev.files())
-            listed = prev.latest.full
-            if file_blake3(full_tmp) == (listed.size, listed.blake3):  # the very bytes: put them in place again
-                fsync_file(full_tmp)
-                move_into_place(full_tmp, os.path.join(root, *listed.name.split("/")))
-                kept.remove(listed)
-            _check_files(root, kept, say)
-            new, versions, patches = prev.latest, prev.versions, prev.patches
-        else:
-            # devices on a version with the new content are up to date already: no patch from it
-            sources = [v for v in (prev.versions if prev else ()) if v.fingerprint != fingerprint]
-            sources = sources[-keep:] if keep else []
-            _check_files(root, [v.full for v in sources], say)
-            new = ChannelVersion(version, run, step, fingerprint, _place(full_tmp, root, "full",
-                                                                         f"{version:08d}", ".safetensors"))
-            patches = tuple(_patch(r, root, tmp, v, new, subtree, key, say) for v in sources)
-            versions = (*sources, new)
-        now = time.time()  # after the work: the index is valid for `expires` from when devices can see it
-        index = ChannelIndex(channel, version, format_time(now), format_time(now + lifetime), chunk_size, subtree,
-                             versions, patches, None)
-        data = encode_index(index, key)
-        say(f"writing {INDEX_NAME} (version {version}, expires {index.expires})")
-        write_atomic(os.path.join(root, INDEX_NAME), data)  # last: every file it names is in place and durable
-        removed = _remove_unlisted(root, index, prev)
-        _clear(tmp)
+        scratch = make_scratch(scratch_candidates(root), os.stat(root).st_dev)
+        try:
+            say(f"exporting {run} step {step}" + (f" ({subtree})" if subtree else ""))
+            r.export(run, scratch.file(FULL_TMP), step, subtree=subtree)
+            fd = scratch.open_written(FULL_TMP)  # what is fingerprinted, hashed and moved is what luopan wrote
+            try:
+                fingerprint = hash_file(fd, scratch.file(FULL_TMP), chunk_size).fingerprint
+            finally:
+                os.close(fd)
+            if prev is not None and prev.latest.fingerprint == fingerprint:
+                say(f"{run} step {step} is the newest version's content: renewing the index only")
+                kept = list(prev.files())
+                listed = prev.latest.full
+                fd = scratch.open_written(FULL_TMP)
+                try:
+                    same = fd_blake3(fd) == (listed.size, listed.blake3)
+                    if same:  # the very bytes: put them in place again
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if same:
+                    scratch.move(FULL_TMP, os.path.join(root, *listed.name.split("/")))
+                    kept.remove(listed)
+                _check_files(root, kept, say)
+                new, versions, patches = prev.latest, prev.versions, prev.patches
+            else:
+                # devices on a version with the new content are up to date already: no patch from it
+                sources = [v for v in (prev.versions if prev else ()) if v.fingerprint != fingerprint]
+                sources = sources[-keep:] if keep else []
+                _check_files(root, [v.full for v in sources], say)
+                new = ChannelVersion(version, run, step, fingerprint, _place(scratch, FULL_TMP, root, "full",
+                                                                             f"{version:08d}", ".safetensors"))
+                patches = tuple(_patch(r, root, scratch, v, new, subtree, key, say) for v in sources)
+                versions = (*sources, new)
+            now = time.time()  # after the work: the index is valid for `expires` from when devices can see it
+            index = ChannelIndex(channel, version, format_time(now), format_time(now + lifetime), chunk_size,
+                                 subtree, versions, patches, None)
+            data = encode_index(index, key)
+            say(f"writing {INDEX_NAME} (version {version}, expires {index.expires})")
+            write_atomic(os.path.join(root, INDEX_NAME), data)  # last: every file it names is in place and durable
+            removed = _remove_unlisted(root, index, prev)
+        finally:
+            scratch.remove()
     return {
         "channel": root, "name": channel, "index_version": version, "version": new.version,
         "refreshed": new.version != version, "expires": index.expires,
@@ -163,29 +178,14 @@ def publish(
     }
 
 
-def scratch_dir(root: str) -> str:
-    """The publisher's scratch directory for the channel ``root`` (created, mode 0700): ``.<name>.publish-tmp``
-    beside it, so nothing unfinished or unpublished is ever under the served directory; ``<root>/.tmp`` when the
-    parent is not writable or is another file system (a rename must move files into place)."""
+def scratch_candidates(root: str) -> list[tuple[str, str]]:
+    """Where the publisher's scratch directory for the channel ``root`` may go, as (parent, container): in
+    ``.<name>.publish-tmp`` beside the channel, so nothing unfinished or unpublished is ever under the served
+    directory; else in ``<root>/.tmp`` (the parent is not writable, or is another file system). Each publish makes a
+    fresh directory of a random name inside (files.make_scratch) and removes it when done."""
     real = os.path.realpath(root)
     parent, base = os.path.split(real)
-    if base:
-        cand = os.path.join(parent, f".{base}.publish-tmp")
-        try:
-            os.makedirs(cand, mode=0o700, exist_ok=True)
-            st = os.lstat(cand)
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_dev == os.stat(real).st_dev:
-                return cand
-            if stat.S_ISDIR(st.st_mode):
-                os.rmdir(cand)
-        except OSError:
-            pass
-    cand = os.path.join(real, TMP_DIR)
-    try:
-        os.makedirs(cand, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create the scratch directory {cand}: {exc.strerror or exc}") from None
-    return cand
+    return ([(parent, f".{base}.publish-tmp")] if base else []) + [(real, TMP_DIR)]
 
 
 def _previous(root: str, key: SigningKey, trusted: TrustedKeys | None, min_version: int | None
@@ -238,12 +238,19 @@ def _check_files(root: str, refs: list[FileRef], say: Callable[[str], Any]) -> N
         path = os.path.join(root, *ref.name.split("/"))
         say(f"checking {ref.name}")
         try:
-            st = os.lstat(path)
-            problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
-                       f"is {st.st_size} bytes, not the {ref.size} listed" if st.st_size != ref.size else
-                       "does not have the BLAKE3 listed" if file_blake3(path)[1] != ref.blake3 else None)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             problem = "is missing"
+        except OSError:
+            problem = "is not a regular file"
+        else:
+            try:  # checked through the descriptor: the bytes hashed are the file's, not a link's target
+                st = os.fstat(fd)
+                problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                           f"is {st.st_size} bytes, not the {ref.size} listed" if st.st_size != ref.size else
+                           "does not have the BLAKE3 listed" if fd_blake3(fd)[1] != ref.blake3 else None)
+            finally:
+                os.close(fd)
         if problem is not None:
             raise IntegrityError(
                 f"the channel's file {path}, named by its current index, {problem} (changed or damaged "
@@ -275,11 +282,11 @@ def _what(subtree: str | None) -> str:
     return f"subtree {subtree!r}" if subtree else "whole checkpoints"
 
 
-def _patch(r: Repo, root: str, scratch: str, base: ChannelVersion, new: ChannelVersion, subtree: str | None,
+def _patch(r: Repo, root: str, scratch: Scratch, base: ChannelVersion, new: ChannelVersion, subtree: str | None,
            key: SigningKey, say: Callable[[str], Any]) -> PatchRef:
     """A patch from ``base`` to ``new``: from the base checkpoint when the repository still holds it with the same
     content (no byte of it read), else from the channel's full file of ``base``."""
-    tmp = os.path.join(scratch, "patch.lpatch")
+    tmp = scratch.file(PATCH_TMP)
     say(f"making the patch from version {base.version} to {new.version}")
     made = None
     if base.run == new.run:
@@ -296,16 +303,22 @@ def _patch(r: Repo, root: str, scratch: str, base: ChannelVersion, new: ChannelV
         raise RuntimeError(f"luopan bug: the patch {base.version}->{new.version} has fingerprints "
                            f"{made['base_fingerprint']} -> {made['target_fingerprint']}, the channel "
                            f"{base.fingerprint} -> {new.fingerprint}")
-    ref = _place(tmp, root, "patches", f"{base.version:08d}-{new.version:08d}", ".lpatch")
+    ref = _place(scratch, PATCH_TMP, root, "patches", f"{base.version:08d}-{new.version:08d}", ".lpatch")
     return PatchRef(base.version, new.version, ref)
 
 
-def _place(tmp: str, root: str, folder: str, stem: str, suffix: str) -> FileRef:
-    """Move the finished file ``tmp`` to ``folder/<stem>-<16 hex of its BLAKE3><suffix>``, durably."""
-    size, digest = file_blake3(tmp)
+def _place(scratch: Scratch, tmp: str, root: str, folder: str, stem: str, suffix: str) -> FileRef:
+    """Move the finished scratch file ``tmp`` to ``folder/<stem>-<16 hex of its BLAKE3><suffix>``, durably: hashed
+    and synced through a descriptor of the very file luopan wrote, then renamed out of the scratch directory's
+    descriptor, so the bytes the index lists are the bytes luopan wrote."""
+    fd = scratch.open_written(tmp)
+    try:
+        size, digest = fd_blake3(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     name = f"{folder}/{stem}-{digest[:16]}{suffix}"
-    fsync_file(tmp)
-    move_into_place(tmp, os.path.join(root, folder, name.split("/", 1)[1]))
+    scratch.move(tmp, os.path.join(root, folder, name.split("/", 1)[1]))
     return FileRef(name, size, digest)
 
 
@@ -316,22 +329,19 @@ def _remove_unlisted(root: str, index: ChannelIndex, prev: ChannelIndex | None) 
     removed = []
     for folder in ("full", "patches"):
         d = os.path.join(root, folder)
-        for entry in sorted(os.listdir(d)):
-            if f"{folder}/{entry}" not in listed:
-                path = os.path.join(d, entry)
-                if os.path.isfile(path) and not os.path.islink(path):
-                    os.unlink(path)
-                    removed.append(f"{folder}/{entry}")
-        if removed:
-            fsync_dir(d)
+        try:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise UsageError(f"cannot clean up the channel's directory {d}: {exc.strerror or exc} (a link?)") from None
+        try:
+            gone = []
+            for entry in sorted(os.listdir(dfd)):
+                if f"{folder}/{entry}" not in listed and stat.S_ISREG(os.lstat(entry, dir_fd=dfd).st_mode):
+                    os.unlink(entry, dir_fd=dfd)  # a link or directory someone put there is left alone
+                    gone.append(f"{folder}/{entry}")
+            if gone:
+                os.fsync(dfd)
+            removed += gone
+        finally:
+            os.close(dfd)
     return removed
-
-
-def _clear(tmp: str) -> None:
-    """Empty the scratch directory (leftovers of a publish that was interrupted)."""
-    for entry in os.listdir(tmp):
-        path = os.path.join(tmp, entry)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
