@@ -48,8 +48,10 @@ class LuopanSaver(BaseCheckpointSaver[str]):
     snapshot plus the records after it; values are read back from the journal when asked for. After a prune or a
     delete, the journal is compacted (a snapshot of the live state is written, the log segments it covers and the
     older snapshots are removed; their chunks go at the repository's next ``gc``) once its dead bytes exceed both
-    its live bytes and ``compact_min_dead_bytes``; `compact()` does it on demand. ``segment_bytes``,
-    ``batch_records`` and ``batch_ms`` are passed to the journal.
+    its live bytes and ``compact_min_dead_bytes``; `compact()` does it on demand. That automatic compaction never
+    waits for a repository lock: while another process holds one (a save, prune or gc), it is put off and tried
+    again by a later call, and the delete stays applied and durable. An explicit `compact()` waits as repository
+    writes do (``lock_timeout``). ``segment_bytes``, ``batch_records`` and ``batch_ms`` are passed to the journal.
     """
 
     def __init__(self, path_or_url: Any, *, fsync: str = "always", name: str = "langgraph",
@@ -92,7 +94,8 @@ class LuopanSaver(BaseCheckpointSaver[str]):
         return clone
 
     def compact(self) -> int:
-        """Write a snapshot of the live state and delete the journal segments it covers; returns its seq."""
+        """Write a snapshot of the live state and delete the journal segments it covers and the older snapshots;
+        returns its seq. Waits for a busy repository lock up to the repository's ``lock_timeout`` (LockedError)."""
         with self._store.lock:
             return self._store.compact()
 

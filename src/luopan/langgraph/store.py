@@ -1,13 +1,23 @@
 """The journal-backed store under `LuopanSaver`: one journal record per operation, the in-memory index, object reads
-(verified against their BLAKE3 keys, with a bounded cache), snapshots and automatic compaction."""
+(verified against their BLAKE3 keys, with a bounded cache), snapshots and automatic compaction.
+
+Automatic compaction (after a delete or prune) never waits for a repository lock: another process's save, prune or
+gc is unrelated work an agent must not stall on. When a lock is busy the compaction (or the pruning of older
+snapshots after it) is put off and tried again, without waiting either, by a later write — at most once per
+``COMPACT_RETRY_SECONDS`` (doubling to ``COMPACT_RETRY_MAX_SECONDS``) while the lock stays busy. The delete itself
+is a journal record, durable before any of this starts. An explicit ``compact()`` waits as any repository write
+does (the repository's ``lock_timeout``)."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, LockedError
 from ..journal import Journal
 from .index import Index
 from .records import (
@@ -27,6 +37,8 @@ from .records import (
 CACHE_BYTES = 32 << 20
 COMPACT_MIN_DEAD_BYTES = 8 << 20
 SEGMENT_BYTES = 16 << 20  # smaller than the journal's default, so compaction frees log space sooner
+COMPACT_RETRY_SECONDS = 1.0  # a compaction put off by a busy lock is tried again by a write this much later…
+COMPACT_RETRY_MAX_SECONDS = 60.0  # …doubling up to this while the lock stays busy
 
 
 class Store:
@@ -43,6 +55,9 @@ class Store:
         self.compact_min_dead_bytes = compact_min_dead_bytes
         self.journal_bytes = 0  # bytes of the snapshot and the records after it: what the journal holds
         self.closed = False
+        self.deferred: str | None = None  # "compact" or "prune": automatic work a busy repository lock put off
+        self._retry_at = 0.0
+        self._retry_pause = COMPACT_RETRY_SECONDS
         try:
             self._open()
         except BaseException:
@@ -78,6 +93,8 @@ class Store:
         for key, type_, data in new_objects or ():
             if type_ != BLOCK_TYPE:
                 self._cache_put(key, (type_, data))
+        if self.deferred is not None and time.monotonic() >= self._retry_at:
+            self._compact_without_waiting()
 
     # -- reading ------------------------------------------------------------------------------------------------
     def read_object(self, key: bytes) -> Typed:
@@ -116,27 +133,55 @@ class Store:
 
     # -- space reclamation --------------------------------------------------------------------------------------
     def after_delete(self) -> None:
-        """Forget dead objects; compact when the journal's dead bytes exceed both its live bytes and the margin."""
+        """Forget dead objects; compact when the journal's dead bytes exceed both its live bytes and the margin —
+        unless a repository lock is busy: then it is put off to a later write (the delete is already durable)."""
         live = self.index.sweep()
         for key in [k for k in self.cache if k not in self.index.objects]:
             self.cache_bytes -= len(self.cache.pop(key)[1])
         dead = self.journal_bytes - live
-        if dead > live and dead > self.compact_min_dead_bytes:
-            self.compact()
+        if dead > live and dead > self.compact_min_dead_bytes and self.deferred != "compact":
+            self._retry_at = 0.0 if self.deferred is None else self._retry_at  # newly due: try it now
+            self.deferred = "compact"
+        if self.deferred is not None and time.monotonic() >= self._retry_at:
+            self._compact_without_waiting()
+
+    def _compact_without_waiting(self) -> None:
+        """Do the deferred automatic compaction if no repository lock is in the way; else put it off again."""
+        try:
+            with _no_wait(self.journal.repo):
+                if self.deferred == "compact":
+                    self._snapshot()
+                self._drop_old_snapshots()
+        except LockedError:
+            self._retry_at = time.monotonic() + self._retry_pause
+            self._retry_pause = min(self._retry_pause * 2, COMPACT_RETRY_MAX_SECONDS)
+        else:
+            self._retry_pause = COMPACT_RETRY_SECONDS
 
     def compact(self) -> int:
         """Snapshot the live state into the journal's repository, drop the log segments it covers and the older
-        snapshots (their chunks go at the repository's next ``gc``)."""
+        snapshots (their chunks go at the repository's next ``gc``). Waits for repository locks as writes do."""
+        seq = self._snapshot()
+        self._drop_old_snapshots()
+        return seq
+
+    def _snapshot(self) -> int:
+        """Commit a snapshot of the live state and drop the log segments it covers (the older snapshots stay until
+        ``_drop_old_snapshots``). A LockedError leaves everything as it was."""
         self.index.sweep()
         objs, recs = self.index.snapshot_records(self.read_object)
         value = encode([SNAPSHOT_MAGIC, FORMAT, objs, recs])
         seq = self.journal.compact(value)
-        self.journal.prune(keep_last=1)
         fresh = Index()
         fresh.load_snapshot(value)
         self.index = fresh
         self.journal_bytes = len(value)
+        self.deferred = "prune"  # the log no longer holds what the snapshot covers: only the pruning is left
         return seq
+
+    def _drop_old_snapshots(self) -> None:
+        self.journal.prune(keep_last=1)
+        self.deferred = None
 
     def stats(self) -> dict[str, int]:
         live = sum(loc.size for loc in self.index.objects.values())
@@ -149,3 +194,16 @@ class Store:
         if not self.closed:
             self.closed = True
             self.journal.close()
+
+
+@contextmanager
+def _no_wait(repo: Any) -> Iterator[None]:
+    """Within: the journal's repository takes a lock only if it is free at once (LockedError otherwise). The saver
+    holds its store lock meanwhile, so no other call of this saver uses the repository; a `luopan.Repo` shared
+    with other threads is, as documented, not safe for their concurrent writes anyway."""
+    old = repo.lock_timeout
+    repo.lock_timeout = 0
+    try:
+        yield
+    finally:
+        repo.lock_timeout = old
