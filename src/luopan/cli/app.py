@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from .. import __version__
 from ..errors import (
@@ -74,11 +75,20 @@ out = _console()
 err = _console(stderr=True)
 
 
-def table(*args: Any, **kwargs: Any) -> Table:
-    """A rich Table: box characters on a terminal, plain space-separated columns when stdout is not one."""
+class _Table(Table):
+    """A Table whose cells are shown as written: a ``str`` cell is literal text, never rich markup (a metric named
+    ``loss[train]``, a path with ``[/x]``: user text everywhere)."""
+
+    def add_row(self, *cells: Any, **kwargs: Any) -> None:
+        super().add_row(*(Text(c) if isinstance(c, str) else c for c in cells), **kwargs)
+
+
+def table(*args: Any, title: str | None = None, **kwargs: Any) -> Table:
+    """A rich Table: box characters on a terminal, plain space-separated columns when stdout is not one. Its title
+    and cells are literal text (they hold names, paths, metrics), never markup; column headers are ours."""
     if not out.is_terminal:
         kwargs.setdefault("box", None)
-    return Table(*args, **kwargs)
+    return _Table(*args, title=None if title is None else Text(title), **kwargs)
 
 RepoOpt = Annotated[
     Optional[str],
@@ -187,7 +197,7 @@ def print_plan(decided: Any, what: str, name: str, dry_run: bool, as_json: bool)
                    "remove": decided.remove})
         return
     for line in decided.describe():
-        out.print(line, highlight=False)
+        out.print(line, highlight=False, markup=False)
     if dry_run:
         out.print("dry run: nothing removed")
 

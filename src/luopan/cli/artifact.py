@@ -116,7 +116,7 @@ def commit(
         emit_json(version_json(v))
         return
     out.print(f"committed {v.ref}: {len(v.files)} file(s), {human(v.logical_bytes)}; wrote {human(v.stored_bytes)}",
-              highlight=False)
+              highlight=False, markup=False)
 
 
 @artifact_app.command("ls")
@@ -157,7 +157,7 @@ def ls(
     for col in ("path", "mode", "size"):
         t.add_column(col, justify="right" if col == "size" else "left")
     for p, m, s in files:
-        t.add_row(escape(p), oct(m), human(s))
+        t.add_row(p, oct(m), human(s))
     out.print(t)
 
 
@@ -186,7 +186,7 @@ def log(
     for v in versions:
         t.add_row(str(v.version) + (" (pinned)" if v.version in pins else ""), v.created[:19], str(len(v.files)),
                   human(v.logical_bytes), human(v.stored_bytes), ", ".join(v.parents),
-                  escape(" ".join(f"{k}={val}" for k, val in v.metadata.items())))
+                  " ".join(f"{k}={val}" for k, val in v.metadata.items()))
     out.print(t)
 
 
@@ -214,7 +214,8 @@ def checkout(
     if as_json:
         emit_json({**version_json(v), "path": str(path)})
         return
-    out.print(f"checked out {v.ref} ({len(v.files)} file(s), {human(v.logical_bytes)}) to {path}", highlight=False)
+    out.print(f"checked out {v.ref} ({len(v.files)} file(s), {human(v.logical_bytes)}) to {path}", highlight=False,
+              markup=False)
 
 
 @artifact_app.command("verify")
@@ -261,7 +262,7 @@ def pin(
     if as_json:
         emit_json({"artifact": name, "version": version, "tag": tag, "pinned": True})
         return
-    out.print(f"pinned {name}@{version}" + (f" as {tag!r}" if tag else ""), highlight=False)
+    out.print(f"pinned {name}@{version}" + (f" as {tag!r}" if tag else ""), highlight=False, markup=False)
 
 
 @artifact_app.command("unpin")
@@ -282,7 +283,7 @@ def unpin(
     if as_json:
         emit_json({"artifact": name, "version": version, "pinned": False})
         return
-    out.print(f"unpinned {name}@{version}", highlight=False)
+    out.print(f"unpinned {name}@{version}", highlight=False, markup=False)
 
 
 @artifact_app.command("prune")
@@ -322,7 +323,7 @@ def lineage(
         emit_json({"ref": lin.ref, "kind": lin.kind, "parents": lin.parents, "ancestors": lin.ancestors,
                    "edges": [list(e) for e in lin.edges], "used_by": lin.used_by, "missing": lin.missing})
         return
-    out.print(f"{lin.ref} ({lin.kind})", highlight=False)
+    out.print(f"{lin.ref} ({lin.kind})", highlight=False, markup=False)
     parents: dict[str, list[str]] = {}
     for child, parent in lin.edges:
         parents.setdefault(child, []).append(parent)
@@ -332,12 +333,12 @@ def lineage(
         node, depth = stack.pop()
         gone = " (no longer in the repository)" if node in lin.missing else ""
         again = " (shown above)" if node in shown and parents.get(node) else ""
-        out.print(f"{'  ' * min(depth, 40)}<- {node}{gone}{again}", highlight=False)
+        out.print(f"{'  ' * min(depth, 40)}<- {node}{gone}{again}", highlight=False, markup=False)
         if node not in shown:
             shown.add(node)
             stack.extend((p, depth + 1) for p in reversed(parents.get(node, [])))
     for kind, refs in sorted(lin.used_by.items()):
         for used in refs:
-            out.print(f"  -> {used} ({kind})", highlight=False)
+            out.print(f"  -> {used} ({kind})", highlight=False, markup=False)
     if not lin.edges and not lin.used_by:
         out.print("  no recorded parents or users", highlight=False)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.text import Text
 
 from ..channel import publish as do_publish
 from ..channel import pull as do_pull
@@ -50,19 +51,20 @@ def publish(
     with err.status("publishing") as status:
         info = do_publish(r, run, step, channel, sign_key=sign, keep=keep, expires=expires, subtree=subtree,
                           name=name, trusted_keys=trusted_keys, min_version=min_version,
-                          progress=lambda msg: status.update(msg))
+                          progress=lambda msg: status.update(Text(msg)))
     if as_json:
         emit_json(info)
         return
     if info["refreshed"]:
         out.print(f"renewed channel {info['name']!r} ({info['channel']}): index version {info['index_version']}, "
-                  f"still version {info['version']}, expires {info['expires']}", highlight=False)
+                  f"still version {info['version']}, expires {info['expires']}", highlight=False, markup=False)
         return
     out.print(f"published {run} as version {info['version']} of channel {info['name']!r} ({info['channel']}); "
-              f"index version {info['index_version']}, expires {info['expires']}", highlight=False)
-    out.print(f"  full   {info['full']['name']} ({human(info['full']['size'])})", highlight=False)
+              f"index version {info['index_version']}, expires {info['expires']}", highlight=False, markup=False)
+    out.print(f"  full   {info['full']['name']} ({human(info['full']['size'])})", highlight=False, markup=False)
     for p in info["patches"]:
-        out.print(f"  patch  {p['name']} ({human(p['size'])}) from version {p['from']}", highlight=False)
+        out.print(f"  patch  {p['name']} ({human(p['size'])}) from version {p['from']}", highlight=False,
+                  markup=False)
     if info["removed"]:
         out.print(f"  removed {len(info['removed'])} file(s) named by neither this index nor the previous one",
                   highlight=False)
@@ -112,12 +114,13 @@ def pull(
     if info["up_to_date"]:
         if info["copied"]:
             out.print(f"{base} is already version {info['version']}, the newest (index version "
-                      f"{info['index_version']}): copied it to {info['path']}, nothing downloaded", highlight=False)
+                      f"{info['index_version']}): copied it to {info['path']}, nothing downloaded", highlight=False,
+                      markup=False)
         else:
             out.print(f"{info['path']} is already version {info['version']}, the newest (index version "
-                      f"{info['index_version']}): nothing to do", highlight=False)
+                      f"{info['index_version']}): nothing to do", highlight=False, markup=False)
         return
     how = (f"patch from version {info['from_version']}" if info["kind"] == "patch" else "full file")
     resumed = f", resumed after {human(info['resumed_from'])}" if info["resumed_from"] else ""
     out.print(f"updated {info['path']} to version {info['version']} via the {how} ({human(info['size'])}; "
-              f"{human(info['downloaded'])} downloaded{resumed})", highlight=False)
+              f"{human(info['downloaded'])} downloaded{resumed})", highlight=False, markup=False)

@@ -14,7 +14,6 @@ from .app import (
     RepoOpt,
     app,
     emit_json,
-    escape,
     handles_errors,
     human,
     open_repo,
@@ -65,7 +64,7 @@ def ls(
         for col in ("index", "live", "versions", "type", "vectors", "size"):
             t.add_column(col, justify="left" if col in ("index", "type") else "right")
         for idx, live, i, count in rows:
-            t.add_row(escape(idx.name), str(live), str(count), i["index_type"] if i else "-",
+            t.add_row(idx.name, str(live), str(count), i["index_type"] if i else "-",
                       str(i["ntotal"]) if i else "-", human(i["stats"]["logical_bytes"]) if i else "-")
         out.print(t)
         return
@@ -86,7 +85,7 @@ def ls(
         mark += " (pinned)" if v["pinned"] else ""
         t.add_row(f"{v['version']}{mark}", v["created"][:19], v["index_type"], str(v["ntotal"]),
                   human(v["logical_bytes"]), human(v["stored_bytes"]),
-                  escape(" ".join(f"{k}={val}" for k, val in v["metadata"].items())))
+                  " ".join(f"{k}={val}" for k, val in v["metadata"].items()))
     out.print(t)
 
 
@@ -108,4 +107,4 @@ def rollback(
     if as_json:
         emit_json({"name": idx.name, "version": version, "previous": previous})
         return
-    out.print(f"{idx.name}: live version is now {version} (was {previous})", highlight=False)
+    out.print(f"{idx.name}: live version is now {version} (was {previous})", highlight=False, markup=False)

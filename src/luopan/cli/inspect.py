@@ -74,7 +74,7 @@ def ls(
             out.print(f"{len(artifacts)} artifact(s): "
                       + ", ".join(f"{a['artifact']} ({a['versions']} version(s))" for a in artifacts[:20])
                       + (" …" if len(artifacts) > 20 else "") + " — `luopan artifact ls` for details",
-                      highlight=False)
+                      highlight=False, markup=False)
         if not rows:
             out.print("no checkpoints yet")
             return
@@ -145,7 +145,7 @@ def _best(r: Repo, run: str, best: str, as_json: bool) -> None:
         emit_json({"run": run, "metric": metric, "order": order or "min", "value": json_safe(value), "step": c.step,
                    "created": c.created, "metrics": json_safe(c.metrics), "candidates": len(scored)})
     else:
-        out.print(f"{c.step} {metrics_text(c.metrics)} {c.created[:19]}", highlight=False)
+        out.print(f"{c.step} {metrics_text(c.metrics)} {c.created[:19]}", highlight=False, markup=False)
     if damaged:
         raise typer.Exit(3)
 
@@ -197,19 +197,20 @@ def show(
     if record is not None:
         _print_record(record, evals)
     for res in resumes:
-        out.print(f"resume       {resume_text(res)}")
+        out.print(f"resume       {resume_text(res)}", markup=False)
     if resumes:
         out.print("")
-    out.print(f"[bold]{m.run}[/] step [bold]{m.step}[/]  created {m.created}")
-    if m.metrics:
-        out.print(f"metrics      {metrics_text(m.metrics)}")
+    out.print(f"[bold]{escape(m.run)}[/] step [bold]{m.step}[/]  created {escape(m.created)}")
+    if m.metrics:  # user text from here on (metric names, metadata, ...): printed as written, never as markup
+        out.print(f"metrics      {metrics_text(m.metrics)}", markup=False)
     if doc["metadata"]:
-        out.print(f"metadata     {json.dumps(doc['metadata'])}")
+        out.print(f"metadata     {json.dumps(doc['metadata'])}", markup=False)
     env = doc["environment"]
-    out.print("environment  " + " ".join(f"{k}={v}" for k, v in env.items()))
+    out.print("environment  " + " ".join(f"{k}={v}" for k, v in env.items()), markup=False)
     if "code" in doc:
-        out.print(f"code         {doc['code']['commit'][:12]}{' (dirty)' if doc['code']['dirty'] else ''}")
-    out.print(f"fingerprint  {doc['fingerprint']}")
+        out.print(f"code         {doc['code']['commit'][:12]}{' (dirty)' if doc['code']['dirty'] else ''}",
+                  markup=False)
+    out.print(f"fingerprint  {doc['fingerprint']}", markup=False)
     out.print(f"size         {human(s['logical_bytes'])} logical, {human(s['stored_bytes'])} written by this save "
               f"({s['new_chunks']} of {s['chunks']} chunks new, {len(m.packs)} packs referenced)")
     t = table()
@@ -240,21 +241,22 @@ def resume_text(res: dict[str, Any]) -> str:
 
 
 def _print_record(rec: dict[str, Any], evals: list[int]) -> None:
-    out.print(f"[bold]run {rec['run']}[/]  started {rec['created']}")
-    out.print(f"command      {' '.join(rec['argv'])}  (in {rec['cwd']})")
-    out.print(f"python       {rec['python']} on {rec['platform']}")
-    out.print("packages     " + " ".join(f"{k}={v}" for k, v in rec["packages"].items()))
+    out.print(f"[bold]run {escape(rec['run'])}[/]  started {escape(rec['created'])}")
+    out.print(f"command      {' '.join(rec['argv'])}  (in {rec['cwd']})", markup=False)  # user text: as written
+    out.print(f"python       {rec['python']} on {rec['platform']}", markup=False)
+    out.print("packages     " + " ".join(f"{k}={v}" for k, v in rec["packages"].items()), markup=False)
     git = rec.get("git")
     if git:
         diff_lines = git["diff"].count("\n")
         state = f"dirty: {diff_lines} diff lines recorded" if git["dirty"] else "clean"
         out.print(f"git          {git['commit'][:12]} ({state}"
-                  + (f", {len(git['untracked_files'])} untracked files" if git["untracked_files"] else "") + ")")
+                  + (f", {len(git['untracked_files'])} untracked files" if git["untracked_files"] else "") + ")",
+                  markup=False)
     if rec.get("config") is not None:
-        out.print("config       " + json.dumps(rec["config"], sort_keys=True))
+        out.print("config       " + json.dumps(rec["config"], sort_keys=True), markup=False)
     redacted = sorted(k for k, v in rec["environment"].items() if v == "<redacted>")
     out.print(f"environment  {len(rec['environment'])} variables" + (f" ({', '.join(redacted)} redacted)"
-                                                                    if redacted else ""))
+                                                                    if redacted else ""), markup=False)
     if evals:
         out.print(f"evals        steps {', '.join(map(str, evals))}")
     out.print("")

@@ -36,12 +36,12 @@ def gen(
         if as_json:
             emit_json({"type": kind, "private": str(private), "public": str(public), "key_id": key_id})
             return
-        out.print(f"wrote {private} (private) and {public} (public); key id {key_id}")
+        out.print(f"wrote {private} (private) and {public} (public); key id {key_id}", markup=False)
     elif as_json:
         emit_json({"type": kind, "private": str(private), "public": str(public), "key_id": None})
     else:
         out.print(f"wrote {private} (private) and {public} (public), an ECDSA P-256 pair for model_signing "
-                  f"interop only: `luopan export ... --sign {private}`")
+                  f"interop only: `luopan export ... --sign {private}`", markup=False)
 
 
 @app.command()
@@ -61,4 +61,5 @@ def sign(
     if as_json:
         emit_json({"run": run, "step": doc["step"], "key_id": doc["signature"]["key_id"], "content": doc["content"]})
         return
-    out.print(f"signed {run} step {doc['step']} with {doc['signature']['key_id']} (content {doc['content'][:23]}…)")
+    out.print(f"signed {run} step {doc['step']} with {doc['signature']['key_id']} (content {doc['content'][:23]}…)",
+              markup=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.text import Text
 
 from ..errors import LuopanError
 from ..repo import init as repo_init
@@ -19,6 +20,7 @@ from .app import (
     app,
     emit_json,
     err,
+    escape,
     handles_errors,
     human,
     not_found,
@@ -50,7 +52,7 @@ def init(
         emit_json({"repository": r.store.describe(), "format_version": c.format_version, "chunk_size": c.chunk_size,
                    "pack_size": c.pack_size, "compression": c.compression.codec})
         return
-    out.print(f"created luopan repository at [bold]{r.store.describe()}[/] "
+    out.print(f"created luopan repository at [bold]{escape(r.store.describe())}[/] "
               f"(format {c.format_version}, chunks {human(c.chunk_size)}, packs {human(c.pack_size)}, "
               f"compression {c.compression.codec})")
 
@@ -79,12 +81,12 @@ def upgrade(
         emit_json({"repository": r.store.describe(), "format_version_before": before, "format_version": after,
                    "changed": after != before and not dry_run, "dry_run": dry_run})
     elif after == before:
-        out.print(f"{r.store.describe()} is already at format {before}, this luopan's: nothing to do")
+        out.print(f"{r.store.describe()} is already at format {before}, this luopan's: nothing to do", markup=False)
     else:
         verb = "would raise" if dry_run else "raised"
         out.print(f"{verb} {r.store.describe()} from format {before} to {after}: later checkpoint manifests keep "
                   f"unchanged entries in entry groups and row deltas in segments; luopan reading only format "
-                  f"{before} or older now refuses it")
+                  f"{before} or older now refuses it", markup=False)
     r.close()
 
 
@@ -155,7 +157,7 @@ def pin(
         emit_json({"artifact" if artifact else "run": run, "version" if artifact else "step": step, "tag": tag,
                    "pinned": True})
         return
-    out.print(f"pinned {run} step {step}" + (f" as {tag!r}" if tag else ""))
+    out.print(f"pinned {run} step {step}" + (f" as {tag!r}" if tag else ""), markup=False)
 
 
 @app.command()
@@ -177,7 +179,7 @@ def unpin(
             emit_json({"artifact" if artifact else "run": run, "version" if artifact else "step": step,
                        "pinned": False})
             return
-        out.print(f"unpinned {run} step {step}")
+        out.print(f"unpinned {run} step {step}", markup=False)
     else:
         raise typer.Exit(not_found(f"run {run!r} step {step} is not pinned"))
 
@@ -226,7 +228,7 @@ def gc(
         return
     with err.status("gc: marking") as status:
         rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run,
-                   log=lambda msg: status.update(f"gc: {msg}"))
+                   log=lambda msg: status.update(Text(f"gc: {msg}")))
     would = "would " if dry_run else ""
     out.print(f"{rep.manifests} checkpoint(s) reference {rep.live_packs} of {rep.packs} pack(s) "
               f"({human(rep.live_bytes)} live of {human(rep.pack_bytes)})", highlight=False)
@@ -249,7 +251,7 @@ def gc(
         out.print(f"{rep.young_packs} unreferenced pack(s) younger than the grace period left alone (a save may "
                   "be writing them)", highlight=False)
     for skipped in rep.skipped_repacks:
-        out.print(f"[yellow]not repacked[/] (damaged; run `luopan verify`): {skipped}", highlight=False)
+        out.print(f"[yellow]not repacked[/] (damaged; run `luopan verify`): {escape(str(skipped))}", highlight=False)
     if dry_run:
         out.print("dry run: nothing changed")
 
@@ -268,7 +270,8 @@ def locks(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
         out.print("no locks")
     for rec in recs:
         reason = rec.stale_reason()
-        out.print(rec.describe() + (f" [yellow](stale: {reason})[/]" if reason else ""), highlight=False)
+        out.print(escape(rec.describe()) + (f" [yellow](stale: {escape(reason)})[/]" if reason else ""),
+                  highlight=False)
 
 
 @app.command()
@@ -288,5 +291,5 @@ def unlock(
         emit_json({"removed": [rec.to_json() for rec in removed]})
         return
     for rec in removed:
-        out.print(f"removed {rec.describe()}", highlight=False)
+        out.print(f"removed {rec.describe()}", highlight=False, markup=False)
     out.print(f"{len(removed)} lock(s) removed")

@@ -61,7 +61,7 @@ def create_cmd(
     out.print(f"wrote {info['path']} ({human(info['bytes'])}): {info['tensors']} tensors, "
               f"{info['carried_chunks']} of {info['chunks']} chunks carried ({human(info['carried_bytes'])} raw, "
               f"{info['changed_tensors']} tensors changed); "
-              + (f"signed by {info['signed_by']}" if info["signed_by"] else "unsigned"), highlight=False)
+              + (f"signed by {info['signed_by']}" if info["signed_by"] else "unsigned"), highlight=False, markup=False)
     out.print(f"base fingerprint   {info['base_fingerprint']}\ntarget fingerprint {info['target_fingerprint']}",
               highlight=False)
 
@@ -114,9 +114,9 @@ def apply_cmd(
     where = info["path"] if "path" in info else f"{info['run']} step {info['step']}"
     out.print(f"wrote {where}: {info['tensors']} tensors, {human(info['bytes'])} "
               f"({human(info['bytes_from_base'])} from the base, {human(info['bytes_from_patch'])} from the patch), "
-              f"every chunk verified; target fingerprint {info['target_fingerprint']}", highlight=False)
+              f"every chunk verified; target fingerprint {info['target_fingerprint']}", highlight=False, markup=False)
     if info["signed_by"]:
-        out.print(f"signed by trusted key {info['signed_by']}", highlight=False)
+        out.print(f"signed by trusted key {info['signed_by']}", highlight=False, markup=False)
     elif info["signed"]:
         err.print("[yellow]note:[/] the patch is signed, but no trusted keys were given (--trusted-keys DIR or "
                   "$LUOPAN_TRUSTED_KEYS), so its signature was not checked", highlight=False)

@@ -76,9 +76,9 @@ def plan(
     measured = None
     if probe is not None:
         _plan.check_probe_dir(probe)  # before the progress bar starts
-        with Progress(TextColumn(f"probing {probe}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        with Progress(TextColumn("probing {task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       console=err, transient=True) as bar:
-            task = bar.add_task("probe", total=probe_size)
+            task = bar.add_task(probe, total=probe_size)  # the path as written: no markup, no format fields
             measured = _plan.probe_bandwidth(probe, probe_size, progress=lambda n: bar.advance(task, n))
         bandwidth = measured.bytes_per_second
     assert bandwidth is not None
@@ -98,7 +98,7 @@ def plan(
         return
     out.print("units: decimal (1 GB = 10^9 B, 1 MB/s = 10^6 B/s), as in the reference article")
     out.print(f"per parameter: {accounting.describe()}; gradients not counted", highlight=False)
-    out.print(f"bandwidth: {bandwidth / 1e6:,.0f} MB/s ({source})", highlight=False)
+    out.print(f"bandwidth: {bandwidth / 1e6:,.0f} MB/s ({source})", highlight=False, markup=False)
     for p in plans:
         t = table(title=f"{_plan.format_count(p.params)} parameters", title_justify="left")
         t.add_column("")

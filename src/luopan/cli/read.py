@@ -110,7 +110,7 @@ def export(
             emit_json({"run": run, **done, "signature": _sign_export(done["path"], sign, quiet=True)})
             return
         out.print(f"wrote adapter of {run} ({done['tensors']} tensors, {human(done['bytes'])}) to {done['path']}; "
-                  f"base fingerprint {done['base_fingerprint']}")
+                  f"base fingerprint {done['base_fingerprint']}", markup=False)
         _sign_export(done["path"], sign)
         return
     m = r.manifest(run, step)
@@ -121,7 +121,8 @@ def export(
     if as_json:
         emit_json({"run": run, "step": m.step, **info, "signature": _sign_export(info["path"], sign, quiet=True)})
         return
-    out.print(f"wrote {info['tensors']} tensors ({human(info['bytes'])}) of {run} step {m.step} to {info['path']}")
+    out.print(f"wrote {info['tensors']} tensors ({human(info['bytes'])}) of {run} step {m.step} to {info['path']}",
+              markup=False)
     _sign_export(info["path"], sign)
 
 

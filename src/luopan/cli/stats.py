@@ -111,7 +111,7 @@ def stats(
     what = f"run {run}" if run is not None else r.store.describe()
     out.print(f"{what}: {doc['checkpoints']} checkpoint(s), {human(logical)} logical, {human(stored)} stored in "
               f"{len(selected)} distinct chunk(s) ({ratio(logical / stored if stored else float('inf'))} dedup)",
-              highlight=False)
+              highlight=False, markup=False)
     if run is None:
         d = doc["repository"]
         out.print(f"on storage: {human(d['physical_bytes'])} (packs {human(d['pack_bytes'])}, index "
@@ -122,7 +122,7 @@ def stats(
         for col in ("run", "checkpoints", "latest step", "logical", "stored", "only this run", "dedup"):
             t.add_column(col, justify="left" if col == "run" else "right")
         for row in per_run:
-            t.add_row(escape(row["run"]), str(row["checkpoints"]), str(row["latest_step"]),
+            t.add_row(row["run"], str(row["checkpoints"]), str(row["latest_step"]),
                       human(row["logical_bytes"]), human(row["stored_bytes"]), human(row["exclusive_bytes"]),
                       "∞" if row["dedup_ratio"] is None else f"{row['dedup_ratio']:.1f}×")
         out.print(t)
@@ -131,7 +131,7 @@ def stats(
         for col in ("run", "step", "entry", "dtype", "shape", "bytes"):
             t.add_column(col, justify="right" if col in ("step", "bytes") else "left")
         for e in largest:
-            t.add_row(escape(e["run"]), str(e["step"]), escape(e["path"]), e["dtype"], str(tuple(e["shape"])),
+            t.add_row(e["run"], str(e["step"]), e["path"], e["dtype"], str(tuple(e["shape"])),
                       human(e["nbytes"]))
         out.print(t)
     if damaged:
@@ -214,7 +214,7 @@ def rm(
     what = (f"run {run} ({len(done.steps)} checkpoint(s){': steps ' + steps if done.steps else ''})"
             if done.whole_run else f"{run} step {step}")
     pinned = f", {len(done.pinned)} of them pinned (--force)" if done.pinned else ""
-    out.print(f"{verb} {what}{pinned}", highlight=False)
+    out.print(f"{verb} {what}{pinned}", highlight=False, markup=False)
     if dry_run:
         out.print("dry run: nothing removed", highlight=False)
     else:

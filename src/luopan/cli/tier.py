@@ -16,7 +16,7 @@ from ..repo import open as repo_open
 from ..repository.tiersetup import ColdPolicy
 from ..retention import KeepLast, parse_keep_last
 from ..units import parse_duration
-from .app import RepoOpt, app, emit_json, err, handles_errors, out, repo_location
+from .app import RepoOpt, app, emit_json, err, escape, handles_errors, out, repo_location
 
 
 @app.command()
@@ -43,7 +43,7 @@ def replicate(
     r = repo_open(repo, create=False, replicate_to=to, replicate=False)
     try:
         if r.tier is None or r.tier.remote is None:
-            err.print(f"[bold red]error:[/] {repo} has no remote yet: pass --to URL")
+            err.print(f"[bold red]error:[/] {escape(repo)} has no remote yet: pass --to URL")
             raise typer.Exit(1)
         r.tier.local_retention = rules
         r.tier.start()
@@ -68,10 +68,10 @@ def replicate(
                 for v in st.values():
                     counts[v] = counts.get(v, 0) + 1
                 shown = series if group == "runs" else f"{group[:-1]} {series}"
-                out.print(f"{shown}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+                out.print(f"{shown}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), markup=False)
     if not done:
         err.print("[bold red]error:[/] replication did not finish in time; run `luopan replicate` again to resume "
-                  f"(last error: {r.tier.last_error})")
+                  f"(last error: {escape(str(r.tier.last_error))})")
         raise typer.Exit(1)
 
 
@@ -102,7 +102,7 @@ def cold(
     r = repo_open(repo, create=False, cold=policy, replicate=False)
     try:
         if r.tier is None or r.tier.cold is None:
-            err.print(f"[bold red]error:[/] {repo} has no cold store yet: pass --to URL")
+            err.print(f"[bold red]error:[/] {escape(repo)} has no cold store yet: pass --to URL")
             raise typer.Exit(1)
         if older_than is not None and policy is None:
             r.tier.cold = ColdPolicy(r.tier.cold.url, older_than, r.tier.cold.storage_options)
@@ -116,4 +116,4 @@ def cold(
     verb = "would move" if dry_run else "moved"
     what = "checkpoint(s)" if all(m.kind.name == "checkpoint" for m in moved) else "manifest(s)"
     out.print(f"{verb} {len(moved)} {what} to {r.tier.cold.url}"
-              + "".join(f"\n  {m.series} {m.kind.number_noun} {m.number}" for m in moved))
+              + "".join(f"\n  {m.series} {m.kind.number_noun} {m.number}" for m in moved), markup=False)
