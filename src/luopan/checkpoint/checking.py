@@ -34,7 +34,7 @@ from ..format.pack import PackFormatError
 from ..format.refs import parse_ref
 from ..repository.chunkio import ChunkRef, read_trailer, verify_chunks
 from ..repository.pins import numbered_files, pin_prefix, pin_problems
-from ..repository.verify import as_problem, manifest_chunk_refs
+from ..repository.verify import as_problem, manifest_chunk_refs, patch_problems
 from ..store.base import KeyNotFound
 from .kind import CHECKPOINTS
 
@@ -113,6 +113,7 @@ def check(repo: Any, subset: Subset | None = None, *, progress: Callable[[int], 
                  for s in repo.strays(everywhere=True) if s.unreadable]
     refs: dict[str, ChunkRef] = {}
     committed: dict[Any, dict[str, set[int]]] = {}
+    deltas: list[tuple[str, list[str], dict[str, Any]]] = []  # row deltas: their patches are read with the data
     for kind in repo.kinds:
         cat = kind.scan(store, None, False)
         committed[kind] = {s: set(ns) for s, ns in cat.steps.items()}
@@ -130,6 +131,8 @@ def check(repo: Any, subset: Subset | None = None, *, progress: Callable[[int], 
                     refs.setdefault(f"{ref.hash}/{ref.pack}/{ref.offset}", ref)
             except (IndexError, KeyError, TypeError, ValueError) as exc:
                 problems.append(IntegrityError(f"{kind.label(series, number)}: a chunk row is damaged ({exc})"))
+                continue
+            deltas += [(kind.label(series, number), doc["packs"], e) for e in doc["entries"] if "delta" in e]
     rep.chunks = len(refs)
     by_pack: dict[str, list[ChunkRef]] = {}
     for ref in refs.values():
@@ -148,6 +151,7 @@ def check(repo: Any, subset: Subset | None = None, *, progress: Callable[[int], 
         chunk_problems = verify_chunks(store, chosen, progress)
         repo.forget_damaged(chunk_problems)
         problems += chunk_problems
+        problems += patch_problems(store, deltas)  # what a load checks of a patch, as verify does
     return rep
 
 

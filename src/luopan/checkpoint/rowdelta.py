@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import CorruptManifestError, UnsupportedValueError, UsageError
+from ..errors import UnsupportedValueError, UsageError
+from ..format.manifest import patch_segments
 from ..tree import Leaf
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -267,19 +268,9 @@ def apply_patch(out: memoryview, pos: int, index: np.ndarray, values: np.ndarray
 def decode_patch(e: dict[str, Any], index_bytes: memoryview, value_bytes: memoryview, where: str
                  ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """([(row numbers, values (rows, row_bytes)) per segment], row_bytes) of a verified delta, after checking the
-    row numbers: each segment's sorted, unique and in range (docs/format.md §5.2). Segments apply in order."""
-    nrows = e["shape"][0]
-    row_bytes = e["nbytes"] // nrows
-    index = np.frombuffer(index_bytes, dtype="<i8")
-    values = np.frombuffer(value_bytes, dtype=np.uint8).reshape(index.size, row_bytes)
-    out = []
-    start = 0
-    for n in e.get("delta", {}).get("segments", [index.size]):
-        seg = index[start : start + n]
-        if seg.size and (seg[0] < 0 or seg[-1] >= nrows or (seg.size > 1 and np.any(seg[1:] <= seg[:-1]))):
-            raise CorruptManifestError(
-                f"{where}: entry {e['path']!r} row delta has row numbers that are not sorted, unique and below "
-                f"{nrows} within a segment")
-        out.append((seg.astype(np.int64, copy=False), values[start : start + n]))
-        start += n
-    return out, row_bytes
+    row numbers (format.manifest.patch_segments, which ``verify`` runs too). Segments apply in order."""
+    row_bytes = e["nbytes"] // e["shape"][0]
+    segments = patch_segments(e, index_bytes, where)
+    nindex = sum(len(seg) for _start, seg in segments)
+    values = np.frombuffer(value_bytes, dtype=np.uint8).reshape(nindex, row_bytes)
+    return [(seg.astype(np.int64, copy=False), values[start : start + len(seg)]) for start, seg in segments], row_bytes

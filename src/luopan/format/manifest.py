@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from importlib import resources
 from typing import Any, NamedTuple
 
+import numpy as np
 from fastjsonschema import JsonSchemaException
 
 from ..errors import CorruptManifestError
 from .. import typed
-from ..tree import itemsize
+from ..tree import itemsize, unflatten
 from . import ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION, refuse_newer
 from .groups import GROUPS_FORMAT_VERSION, ReadBlob, expand
 from .canonical import SealError, canonical, compress_json, digest, inflate_json, parse_object, seal, verify_seal
@@ -24,6 +26,16 @@ _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 NODE_TAGS = ("dict", "list", "tuple", "entry", "int", "float", "str", "bool", "none", "typed")
 SCALAR_TYPES: dict[str, Any] = {"int": int, "float": (int, float, str), "str": str, "bool": bool,
                                 "none": type(None)}
+
+
+def _scalar_ok(tag: str, value: Any) -> bool:
+    """A scalar tree node inside a typed value, as the schema checks those outside one: an int or a float is never
+    a bool, a float's string is one of the non-finite names (what ``tree.unflatten`` reads back)."""
+    if isinstance(value, bool) and tag in ("int", "float"):
+        return False
+    if tag == "float" and isinstance(value, str):
+        return value in ("nan", "inf", "-inf")
+    return isinstance(value, SCALAR_TYPES[tag])
 
 
 @cache
@@ -197,6 +209,26 @@ def chunk_bytes(chunks: list[list[Any]], npacks: int, path: str, bad: Any) -> in
     return total
 
 
+def patch_segments(entry: dict[str, Any], index_bytes: Any, where: str) -> list[tuple[int, Any]]:
+    """(first position, row numbers) of each segment of a row delta's patch (§5.2), given the bytes of its verified
+    ``index`` chunks, after checking what a load relies on: each segment's row numbers sorted, unique and below the
+    table's rows. CorruptManifestError naming the entry otherwise. Loading (``checkpoint.rowdelta.decode_patch``) and
+    ``verify`` both call this, so a patch verify passes is one a load applies."""
+    nrows = entry["shape"][0]
+    index = np.frombuffer(index_bytes, dtype="<i8")
+    out = []
+    start = 0
+    for n in entry.get("delta", {}).get("segments", [index.size]):
+        seg = index[start : start + n]
+        if seg.size and (seg[0] < 0 or seg[-1] >= nrows or (seg.size > 1 and np.any(seg[1:] <= seg[:-1]))):
+            raise CorruptManifestError(
+                f"{where}: entry {entry['path']!r} row delta has row numbers that are not sorted, unique and below "
+                f"{nrows} within a segment")
+        out.append((start, seg))
+        start += n
+    return out
+
+
 def _check_consistency(doc: dict[str, Any], where: str) -> None:
     """What the schema cannot say: sizes agree with dtypes and shapes, indices are in range, aliases match.
 
@@ -286,14 +318,44 @@ def _check_consistency(doc: dict[str, Any], where: str) -> None:
         elif tag == "typed":
             if not isinstance(value, dict):
                 raise bad("a typed node is not an object")
+            if value.get("type") == "torch.dtype" and value.get("v") not in typed.TORCH_NAMES:
+                raise bad(f"a typed value names an unknown torch dtype {str(value.get('v'))[:40]!r}")
             for v in typed.children(value):
                 walk(v, False)
         elif tag == "entry" and (type(value) is not int or not 0 <= value < len(entries)):
             raise bad(f"tree names entry {str(value)[:20]} of {len(entries)}")
-        elif not checked and tag in SCALAR_TYPES and not isinstance(value, SCALAR_TYPES[tag]):
+        elif not checked and tag in SCALAR_TYPES and not _scalar_ok(tag, value):
             raise bad(f"a typed value holds a malformed {tag} node")
 
     try:
         walk(doc["tree"])
+        _decode_typed(doc["tree"], where)
     except RecursionError:
         raise bad("tree is nested too deeply") from None
+
+
+def _decode_typed(tree: dict[str, Any], where: str) -> None:
+    """Decode each outermost typed value of a walked tree as a load does (``tree.unflatten``, entries stood in for),
+    so a typed value a load would refuse is refused when the manifest is read (by ``verify`` too). A value holding
+    a torch dtype or device is left to the load: decoding it needs torch, which a reader need not have."""
+    for node in _typed_nodes(tree, outermost=True):
+        if not any(str(t.get("type")).startswith("torch.") for t in _typed_nodes(node)):
+            unflatten(node, lambda i: ("entry", i), where)
+
+
+def _typed_nodes(node: dict[str, Any], outermost: bool = False) -> Iterator[dict[str, Any]]:
+    """The typed nodes of a walked tree (``{"typed": ...}``; with ``outermost`` as nodes, else their specs), and
+    with ``outermost`` only those inside no other."""
+    stack = [node]
+    while stack:
+        (tag, value), = stack.pop().items()
+        if tag == "typed":
+            if outermost:
+                yield {tag: value}
+                continue
+            yield value
+            stack.extend(typed.children(value))
+        elif tag == "dict":
+            stack.extend(v for _k, v in value)
+        elif tag in ("list", "tuple"):
+            stack.extend(value)
