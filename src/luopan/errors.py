@@ -261,3 +261,10 @@ class JournalBusyError(LuopanError, BlockingIOError):
 class RecordNotFoundError(ManifestNotFoundError):
     """No record with that sequence number: it is past the end of the journal, or it was compacted into a snapshot
     (read the snapshot with ``latest_snapshot()``, then the records from its ``seq``)."""
+
+
+class CleanupWarning(UserWarning):
+    """A write luopan already committed could not tidy up after itself (a temporary file it could not remove, a file
+    descriptor whose close failed, an op log it could not trim). Nothing committed is lost and the operation
+    reports success; leftovers are removed later (temporary files of gone writers at the next write or gc). Also
+    logged to the ``luopan`` logger."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import math
+import warnings
 from datetime import datetime, timezone
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from ..errors import (
     ArgumentTypeError,
     CheckpointExistsError,
+    CleanupWarning,
     LuopanError,
     ManifestNotFoundError,
     MissingDependencyError,
@@ -243,7 +246,13 @@ class IndexStore:
             version = self._put_next(doc)
             log_start = self._oplog.next_seq()
             self._set_current(version)
-            self._oplog.drop_before(log_start)
+            try:  # the snapshot is live: trimming the ops it holds is cleanup, never a failed snapshot
+                self._oplog.drop_before(log_start)
+            except OSError as exc:
+                msg = (f"index {self.name!r} version {version} is committed and live, but its op log could not be "
+                       f"trimmed ({exc}); the ops it holds are not replayed on it, and the next snapshot trims them")
+                logging.getLogger("luopan").warning("%s", msg)
+                warnings.warn(msg, CleanupWarning, stacklevel=2)
         if repo.tier is not None:
             repo.tier.committed(INDEX_KIND, self.name, version)
         return version

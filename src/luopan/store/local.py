@@ -11,26 +11,22 @@ files are objects: a FIFO, socket or device is never opened for reading (``_open
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import secrets
-import socket
 import stat
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .._crash import crashpoint
-from .._process import pid_alive
 from ..errors import LuopanError, StorageError, StorageFullError
 from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
+from .tempfiles import HOST as _HOST
+from .tempfiles import STALE_TMP_SECONDS as STALE_TMP_SECONDS  # doctor's leftovers check reads it here
+from .tempfiles import cleanup_failed, close_quietly, discard, link_new, remove_if_abandoned, try_lock, unlink_quietly
 from .walk import ABSENT as _ABSENT
 from .walk import TMP_MARK, file_kind as _kind, list_dir, walk
 
-STALE_TMP_SECONDS = 24 * 3600
-FRESH_TMP_SECONDS = 60.0  # an unlocked temp file younger than this may be a writer's between open and flock
 _IOV_MAX = 1024
-_HOST = socket.gethostname().replace("-", "_")
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -91,8 +87,13 @@ class LocalStore(Store):
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between stat and open
                 raise KeyNotFound(f"{key} (not a regular file)")
+        except OSError as exc:
+            close_quietly(fd)
+            if isinstance(exc, KeyNotFound):
+                raise
+            raise self._failed(exc, "read", key) from None
         except BaseException:
-            os.close(fd)
+            close_quietly(fd)
             raise
         return fd
 
@@ -131,7 +132,7 @@ class LocalStore(Store):
         tmp = f"{path}{TMP_MARK}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _try_lock(fd)
+            try_lock(fd)
             parts = as_parts(data)
             i = 0
             while i < len(parts):
@@ -148,8 +149,8 @@ class LocalStore(Store):
             os.fsync(fd)
             crashpoint(f"{kind}.fsynced")
         except BaseException:
-            os.close(fd)
-            _unlink_quietly(tmp)
+            close_quietly(fd)  # never mask the error that got us here
+            discard(tmp)
             raise
         return tmp, fd
 
@@ -158,10 +159,29 @@ class LocalStore(Store):
         if exc.errno in _FULL_ERRNOS and not isinstance(exc, StorageFullError):
             return StorageFullError(
                 exc.errno,
-                f"no space left on {self.root!r} while writing {os.path.basename(path)}: the write was not "
+                f"no space left on {self.root!r} while writing {os.path.relpath(path, self.root)}: the write was not "
                 "committed; free space (e.g. delete old checkpoints) and save again",
             )
         return exc
+
+    def _close_after(self, fd: int, key: str, doing: str) -> None:
+        """Close ``fd`` once ``key``'s read or write is done: an error now changes nothing (a write's bytes were
+        synced before its rename), so it is a CleanupWarning naming the file, not a failed operation."""
+        try:
+            os.close(fd)
+        except OSError as exc:
+            cleanup_failed(f"closing {self._path(key)} after {doing} it failed ({exc.strerror or exc}); the "
+                            f"{'read' if doing == 'reading' else 'write'} itself succeeded")
+
+    def _unlink_after(self, tmp: str, key: str) -> None:
+        """Remove the temp name of a write of ``key`` that is done (or lost a race): a failure leaves a stray temp
+        file, which cleanup of gone writers' temporaries removes later (a CleanupWarning naming it)."""
+        try:
+            unlink_quietly(tmp)
+        except OSError as exc:
+            cleanup_failed(f"could not remove the temporary file {tmp} after writing {key} "
+                            f"({exc.strerror or exc}); the write itself succeeded, and the file is removed later "
+                            "as a leftover")
 
     # -- primitives ---------------------------------------------------------------------------------------------
     @contextmanager
@@ -183,7 +203,7 @@ class LocalStore(Store):
             with self._mapping("read", key):
                 yield fd
         finally:
-            os.close(fd)
+            self._close_after(fd, key, "reading")
 
     def get(self, key: str) -> bytes:
         with self._reading(key) as fd, os.fdopen(fd, "rb", closefd=False) as f:
@@ -229,10 +249,10 @@ class LocalStore(Store):
             try:
                 os.replace(tmp, path)
             except BaseException:
-                _unlink_quietly(tmp)
+                close_quietly(fd)
+                discard(tmp)
                 raise
-            finally:
-                os.close(fd)
+            self._close_after(fd, key, "writing")  # written and synced: a close error changes nothing on disk
             crashpoint(f"{kind}.renamed")
             _fsync_dir(os.path.dirname(path))
             crashpoint(f"{kind}.dirsynced")
@@ -245,23 +265,20 @@ class LocalStore(Store):
         with self._mapping("write", key):
             tmp, fd = self._write_temp(path, data, kind)
             try:
-                try:
-                    os.link(tmp, path)  # atomic and never replaces an existing file
-                except FileExistsError:
-                    return False
-                except OSError as exc:
-                    # Filesystems without hard links: exists-check + rename. Not atomic against a second writer
-                    # of the same key (docs/format.md §10 rule 3); content-addressed keys make that harmless
-                    # except for manifests, where the last rename wins.
-                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
-                        raise
-                    if os.path.lexists(path):
-                        return False
-                    os.rename(tmp, path)
-                crashpoint(f"{kind}.renamed")
-            finally:
-                _unlink_quietly(tmp)
-                os.close(fd)
+                linked = link_new(tmp, path)
+                if linked:
+                    crashpoint(f"{kind}.renamed")
+            except BaseException:
+                close_quietly(fd)
+                discard(tmp)
+                raise
+            # Linked or not, the temp name goes. Once linked the key holds the data (synced before the link; the
+            # directory sync below makes it durable): failing to remove the temp name or to close it is cleanup,
+            # never a failed write.
+            self._unlink_after(tmp, key)
+            self._close_after(fd, key, "writing")
+            if not linked:
+                return False
             _fsync_dir(os.path.dirname(path))
             crashpoint(f"{kind}.dirsynced")
             return True
@@ -323,7 +340,10 @@ class LocalStore(Store):
             if parent == path:
                 return None
             path = parent
-        st = os.statvfs(path)
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return None  # unknown (base.Store.free_bytes): a write that then fails says why, naming its file
         return st.f_bavail * st.f_frsize
 
     # -- conveniences -------------------------------------------------------------------------------------------
@@ -333,67 +353,9 @@ class LocalStore(Store):
         Never fails: a read-only repository or an unremovable file is left as it is."""
         removed = 0
         for path, stray in walk(self.root, "", temporaries=True):
-            if stray is None and TMP_MARK in os.path.basename(path) and _remove_if_abandoned(path):
+            if stray is None and TMP_MARK in os.path.basename(path) and remove_if_abandoned(path):
                 removed += 1
         return removed
 
     def describe(self) -> str:
         return self.root
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as exc:
-        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-            return False  # no locks on this filesystem: cleanup falls back to pid/age
-        raise
-
-
-def _remove_if_abandoned(path: str) -> bool:
-    try:  # never follow a link or block on a FIFO: only luopan's own regular temp files are candidates
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return False
-    except OSError:
-        os.close(fd)
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # Unlocked: its writer is gone — or has just created it and not yet taken the lock (a window of a few
-            # microseconds between open and flock). A young file counts only if its writer's pid is dead here.
-            abandoned = _abandoned_by_pid_or_age(path, FRESH_TMP_SECONDS)
-        except BlockingIOError:
-            return False  # a live writer holds it
-        except OSError:
-            abandoned = _abandoned_by_pid_or_age(path)
-        if abandoned:
-            os.unlink(path)
-        return abandoned
-    except OSError:  # read-only repository, permissions: leave it
-        return False
-    finally:
-        os.close(fd)
-
-
-def _abandoned_by_pid_or_age(path: str, max_age: float = STALE_TMP_SECONDS) -> bool:
-    owner = os.path.basename(path).rsplit(TMP_MARK, 1)[1].split("-")
-    try:
-        host, pid = owner[0], int(owner[1])
-        mtime = os.stat(path).st_mtime
-    except (IndexError, ValueError, OSError):
-        return False
-    return (host == _HOST and not pid_alive(pid)) or time.time() - mtime > max_age
