@@ -334,7 +334,7 @@ def test_torn_tail_loses_at_most_the_last_put(tmp_path):
         ids = put_chain(saver, "t", 6)
         expect = snapshot_of(saver, "t", ids[:-1])
     segments = sorted((os.path.getmtime(p), p) for d, _s, fs in os.walk(journal_dir(repo)) for f in fs
-                      if os.path.getsize(p := os.path.join(d, f)) > 0)
+                      if f.endswith(".seg") and os.path.getsize(p := os.path.join(d, f)) > 0)
     last = segments[-1][1]
     with open(last, "r+b") as f:
         f.truncate(os.path.getsize(last) - 700)  # mid-way through the last put's new message

@@ -9,6 +9,13 @@ A segment starts with a 32-byte header; records follow as frames, each 8-byte al
 ``durable`` is the number of records known durable (synced) when the frame was written: every record with a smaller
 seq was. Recovery uses it to tell a torn tail (damage after the last sync) from damage to records that had been made
 durable (an error, never cut). Integers are little-endian.
+
+A frame's mark can only vouch for the records before it, so the records of the last sync (one ``append_many``, one
+batch) would have no evidence. The writer therefore also keeps a sync mark in a small file beside the segments
+(``DURABLE``), rewritten after each sync and never synced itself: whatever value of it survives a crash was true
+when written (every record below it had been synced), and a damaged one fails its checksum and is ignored:
+
+    sync mark   magic b"LPJSYNC1" | durable u64 | reserved u64 (0) | xxh3-64 of the 24 bytes before
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ FRAME_HEADER = struct.Struct("<IIQQQ")
 HEADER_BYTES = 32
 MAX_RECORD_BYTES = 1 << 30  # one record; larger ones are refused when appended and are damage when read
 SEGMENT_SUFFIX = ".seg"
+SYNC_MAGIC = b"LPJSYNC1"
+SYNC_MARK_NAME = "DURABLE"
 SEQ_DIGITS = 20
 
 
@@ -53,6 +62,21 @@ def parse_segment_header(data: bytes) -> int | None:
     if magic != SEGMENT_MAGIC or reserved != 0 or check != xxhash.xxh3_64_intdigest(data[:24]):
         return None
     return int(first)
+
+
+def sync_mark(durable: int) -> bytes:
+    head = SEGMENT_HEADER.pack(SYNC_MAGIC, durable, 0, 0)[:24]
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def parse_sync_mark(data: bytes) -> int | None:
+    """The count of durable records a sync mark records, or None when it is short, damaged or not one."""
+    if len(data) != HEADER_BYTES:
+        return None
+    magic, durable, reserved, check = SEGMENT_HEADER.unpack_from(data)
+    if magic != SYNC_MAGIC or reserved != 0 or check != xxhash.xxh3_64_intdigest(data[:24]):
+        return None
+    return int(durable)
 
 
 def padded(n: int) -> int:
@@ -97,20 +121,25 @@ def read_frame(buf: memoryview, pos: int, seq: int | None = None) -> Frame | Non
     return Frame(fseq, durable, pos, HEADER_BYTES + padded(n), buf[pos + HEADER_BYTES : end])
 
 
-def durable_after(buf: memoryview, pos: int, seq: int) -> Frame | None:
-    """The first intact frame after ``pos`` (8-byte aligned) whose ``durable`` says record ``seq`` had been synced
-    when it was written, or None. Candidates are found by their seq field (vectorised), then checked whole."""
+def frames_after(buf: memoryview, pos: int, seq: int) -> tuple[Frame | None, Frame | None]:
+    """(the first intact frame after ``pos`` (8-byte aligned) whose ``durable`` says record ``seq`` had been synced
+    when it was written, the first intact frame after ``pos`` with a later seq), either None when there is none.
+    Candidates are found by their seq field (vectorised), then checked whole."""
     start = pos + 8
     usable = (len(buf) - start) // 8 * 8
     if usable < HEADER_BYTES:
-        return None
+        return None, None
     words = np.frombuffer(buf[start : start + usable], dtype="<u8")
+    first: Frame | None = None
     # A frame at byte p has its seq at p + 8, i.e. at word (p + 8 - start) / 8 of this view.
     for i in np.nonzero((words > seq) & (words < seq + (1 << 40)))[0]:
         p = start + int(i) * 8 - 8
         if p <= pos:
             continue
         f = read_frame(buf, p)
-        if f is not None and f.durable > seq:
-            return f
-    return None
+        if f is None:
+            continue
+        first = first or f
+        if f.durable > seq:
+            return f, first
+    return None, first

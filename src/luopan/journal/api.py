@@ -27,7 +27,7 @@ from ..store.local import LocalStore
 from ..store.tiered import TieredStore
 from .kind import JOURNAL_KIND
 from .names import check_journal, log_prefix, snapshot_key
-from .snapshots import Snapshot, read_snapshot, store_snapshot
+from .snapshots import Snapshot, key_culprit, read_snapshot, store_snapshot
 
 _BYTES, _JSON = b"B", b"J"
 
@@ -36,6 +36,11 @@ def encode_record(record: Any) -> bytes:
     if isinstance(record, (bytes, bytearray, memoryview)):
         return _BYTES + bytes(record)
     if isinstance(record, dict):
+        culprit = key_culprit(record, "record")
+        if culprit is not None:
+            raise UsageError(f"a journal record is bytes or a JSON-able dict whose keys are strings: {culprit} is "
+                             f"not a string, and would come back as one (convert the key with str(), or encode the "
+                             "record to bytes yourself)")
         try:
             text = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError):
@@ -89,20 +94,23 @@ class Journal:
                                               storage_options=None)
             self.repo, self._own_repo = RepositoryCore(store, config), True
         self.directory = os.path.join(_local_root(self.repo), *log_prefix(name).rstrip("/").split("/"))
-        latest = self._latest_number()
-        self._log = Log(self.directory, fsync=fsync, batch_records=batch_records, batch_ms=batch_ms,
-                        segment_bytes=segment_bytes, read_only=read_only, start_seq=latest or 0)
-        first = self._log.first_seq
-        if self._log.next_seq < (latest or 0):
+        for attempt in range(3):  # read-only, a writer compacting meanwhile can make one look inconsistent
+            latest = self._latest_number() or 0
+            self._log = Log(self.directory, fsync=fsync, batch_records=batch_records, batch_ms=batch_ms,
+                            segment_bytes=segment_bytes, read_only=read_only, start_seq=latest)
+            first, end = self._log.first_seq, self._log.next_seq
+            if first <= latest <= end:
+                return
             self._log.close()
-            raise CorruptJournalError(f"journal {name!r} in {self.repo.where}: its log ends at record "
-                                      f"{self._log.next_seq}, before its latest snapshot ({latest}): records the "
-                                      "snapshot covered were lost from the log afterwards; restore the log's segments")
-        if first > (latest or 0):
-            self._log.close()
-            raise CorruptJournalError(f"journal {name!r} in {self.repo.where}: its log starts at record {first}, but no "
-                                      f"snapshot covers the records before it (the latest is at {latest}): restore the "
-                                      "missing segments or snapshot manifest")
+            if not read_only or attempt == 2:
+                break
+        if end < latest:
+            raise CorruptJournalError(f"journal {name!r} in {self.repo.where}: its log ends at record {end}, before "
+                                      f"its latest snapshot ({latest}): records the snapshot covered were lost from "
+                                      "the log afterwards; restore the log's segments")
+        raise CorruptJournalError(f"journal {name!r} in {self.repo.where}: its log starts at record {first}, but no "
+                                  f"snapshot covers the records before it (the latest is at {latest}): restore the "
+                                  "missing segments or snapshot manifest")
 
     # -- the log ----------------------------------------------------------------------------------------------------
     @property
@@ -169,11 +177,17 @@ class Journal:
         end = self._log.next_seq if upto is None else upto
         if isinstance(end, bool) or not isinstance(end, int) or not 0 <= end <= self._log.next_seq:
             raise UsageError(f"upto must be a seq from 0 to {self._log.next_seq}, not {upto!r}")
+        latest = self._latest_number() or 0
+        if end < latest:  # it would stand for fewer records than the log has already given up: nothing to compact
+            raise UsageError(f"upto={end} is below the latest snapshot of journal {self.name!r} (seq {latest}): the "
+                             f"records before {latest} are only in that snapshot, so a snapshot at {end} cannot be "
+                             f"made from the log; compact with upto between {latest} and {self._log.next_seq} "
+                             "(or leave upto out)")
         meta = {} if metadata is None else metadata
         if not isinstance(meta, dict) or json_culprit(meta, "metadata") is not None:
             raise UsageError("metadata must be a JSON object")
         self._log.sync()  # what the snapshot stands for is durable before anything that held it goes
-        store_snapshot(self.repo, self.name, end, snapshot, meta, end - (self._latest_number() or 0))
+        store_snapshot(self.repo, self.name, end, snapshot, meta, end - latest)
         self._log.drop_before(end)
         return end
 

@@ -42,11 +42,31 @@ class Snapshot:
     new_bytes: int  # bytes of chunks this snapshot added to the repository (the rest was shared)
 
 
+def key_culprit(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where a dict in ``value`` has a key that is not a string (JSON would turn it into one, so the record would come
+    back changed), e.g. ``the key 1 in record['a']``; None when every key is a string."""
+    if depth > 200:
+        return None  # json.dumps refuses it for its depth
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"the key {k!r} in {path}"
+            found = key_culprit(v, f"{path}[{k!r}]", depth + 1)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = key_culprit(v, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+    return None
+
+
 def encode_value(value: Any) -> tuple[str, bytes]:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "bytes", bytes(value)
     if isinstance(value, dict):
-        culprit = json_culprit(value, "snapshot")
+        culprit = key_culprit(value, "snapshot") or json_culprit(value, "snapshot")
         if culprit is not None:
             raise UsageError(f"a journal snapshot is bytes or a JSON-able dict: {culprit}")
         return "json", json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True,

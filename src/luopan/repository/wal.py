@@ -24,37 +24,44 @@ from ..errors import JournalBusyError, RecordNotFoundError, UsageError
 from ..format.records import (
     HEADER_BYTES,
     MAX_RECORD_BYTES,
+    SYNC_MARK_NAME,
     frame,
     padded,
     read_frame,
     segment_header,
     segment_name,
+    sync_mark,
 )
-from .walscan import Recovery, Segment, damaged, iter_segment, scan_directory
+from .walio import _mkdir, _put_mark, _sync, _sync_dir, _truncate, _unlink, _write, io_error
+from .walscan import Recovery, Segment, damaged, iter_segment, read_at, read_sync_mark, scan_directory
 
 FSYNC_MODES = ("always", "batch", "off")
 LOCK_NAME = "LOCK"
 DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
-# The I/O a log does, one function each, so the crash simulation of the tests can record writes and syncs.
-def _write(fd: int, data: bytes, path: str) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+def make_dirs(path: str) -> None:
+    """Create ``path`` and its missing parents, each synced into its parent before this returns (a directory entry
+    is durable only once its parent is synced: nothing inside may be acknowledged before)."""
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            _mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+    for d in reversed(missing):
+        _sync_dir(os.path.dirname(d))
 
 
-def _sync(fd: int, path: str) -> None:
-    os.fdatasync(fd)
-
-
-def _sync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_REOPEN = "the log refuses appends until it is reopened: fix the cause, then reopen it"
 
 
 def check_options(fsync: str, batch_records: int, batch_ms: float, segment_bytes: int) -> None:
@@ -87,9 +94,15 @@ class Log:
         self._closed = False
         self._flusher: threading.Thread | None = None
         self._deadline: float | None = None
-        self.error: OSError | None = None  # a background sync's failure, raised by the next append or sync
+        self.error: OSError | None = None  # a sync's failure (or a failed undo), raised by every later append
+        self._mark_fd: int | None = None
+        self._marked = 0  # what the sync mark file says
         if not read_only:
-            os.makedirs(self.directory, exist_ok=True)
+            try:
+                make_dirs(self.directory)
+            except OSError as exc:
+                raise io_error(exc, self.directory, "creating the log directory", "check the path and its "
+                               "permissions") from None
             self._take_lock()
         try:
             self.segments, self.recovered = scan_directory(self.directory, cut=not read_only)
@@ -98,13 +111,19 @@ class Log:
             if not read_only:
                 self._open_tail()
         except BaseException:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
             self._release_lock()
             raise
 
     # -- opening ----------------------------------------------------------------------------------------------------
     def _take_lock(self) -> None:
         path = os.path.join(self.directory, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise io_error(exc, path, "opening", "check the directory's permissions") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -115,29 +134,73 @@ class Log:
         self._lock_fd = fd
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for fd in (self._mark_fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._mark_fd = self._lock_fd = None
 
     def _open_tail(self) -> None:
+        """Open the last segment for appending, after syncing it: a previous writer may have died with records
+        written but not synced, and the first frame of this one vouches (its durable mark) for every record before
+        it. Then the sync mark says so too."""
+        mark = os.path.join(self.directory, SYNC_MARK_NAME)
+        try:
+            self._marked = read_sync_mark(self.directory)
+            self._mark_fd = os.open(mark, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise io_error(exc, mark, "opening", "check the directory's permissions") from None
         if not self.segments:
             self._new_segment(self._next)
             return
         tail = self.segments[-1]
-        self._fd = os.open(tail.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            self._fd = os.open(tail.path, os.O_WRONLY | os.O_APPEND)
+            _sync(self._fd, tail.path)
+            _sync_dir(self.directory)
+        except OSError as exc:
+            raise io_error(exc, tail.path, "syncing the tail of", "check the disk, then open the log again") from None
+        if self._marked > self._next:  # the log was cut back by hand: lower the mark, durably
+            self._put_mark(self._next, sync=True)
+        self._put_mark(self._next)
+
+    def _put_mark(self, durable: int, sync: bool = False) -> None:
+        if self._mark_fd is None or durable == self._marked:
+            return
+        path = os.path.join(self.directory, SYNC_MARK_NAME)
+        try:
+            _put_mark(self._mark_fd, sync_mark(durable), path)
+            if sync:
+                os.fsync(self._mark_fd)
+        except OSError as exc:
+            if sync:  # a higher mark than the log's end could come back: refuse to vouch for anything
+                raise io_error(exc, path, "lowering the sync mark in", "check the disk, then open the log again") \
+                    from None
+            return  # the mark is only evidence: a stale one is still true
+        self._marked = durable
 
     def _new_segment(self, first_seq: int) -> None:
         """Start the segment of ``first_seq``: header written and synced, and its name synced into the directory,
-        before any record goes in (so no acknowledged record ever lives in a file a crash could lose)."""
+        before any record goes in (so no acknowledged record ever lives in a file a crash could lose). On failure
+        no trace of it is left (or the log refuses appends until reopened)."""
         path = os.path.join(self.directory, segment_name(first_seq))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise io_error(exc, path, "creating") from None
         try:
             _write(fd, segment_header(first_seq), path)
             _sync(fd, path)
             _sync_dir(self.directory)
-        except BaseException:
+        except OSError as exc:
             os.close(fd)
-            raise
+            err = io_error(exc, path, "starting")
+            try:  # a segment file left behind would sit in the middle of the log once appends go on
+                _unlink(path)
+                _sync_dir(self.directory)
+            except OSError:
+                self.error = io_error(exc, path, "starting", f"{_REOPEN} (the new segment could not be removed)")
+                raise self.error from None
+            raise err from None
         if self._fd is not None:
             os.close(self._fd)
         self._fd = fd
@@ -172,26 +235,43 @@ class Log:
                 raise UsageError(f"a log record holds at most {MAX_RECORD_BYTES} bytes, not {len(p)}")
         with self._mutex:
             self._check_writable()
-            seqs: list[int] = []
-            for p in items:
-                size = HEADER_BYTES + padded(len(p))
+            total = sum(HEADER_BYTES + padded(len(p)) for p in items)
+            tail = self.segments[-1]
+            if tail.offsets and tail.size + total > self.segment_bytes:
+                self._rotate()  # before any frame: the frames of one call go into one segment
                 tail = self.segments[-1]
-                if tail.offsets and tail.size + size > self.segment_bytes:
-                    self._rotate()
-                    tail = self.segments[-1]
-                seq = self._next
-                data = frame(seq, self._durable, p)
-                assert self._fd is not None
-                _write(self._fd, data, tail.path)
-                tail.offsets.append(tail.size)
-                tail.size += len(data)
-                self._next += 1
-                seqs.append(seq)
-            if self.fsync == "always":
-                self._sync_now()
-            elif self.fsync == "batch":
-                self._schedule()
-            return seqs
+            size, count, first = tail.size, len(tail.offsets), self._next
+            assert self._fd is not None
+            try:
+                for p in items:
+                    data = frame(self._next, self._durable, p)
+                    _write(self._fd, data, tail.path)
+                    tail.offsets.append(tail.size)
+                    tail.size += len(data)
+                    self._next += 1
+                if self.fsync == "always":
+                    self._sync_now()
+                elif self.fsync == "batch":
+                    self._schedule()
+            except OSError as exc:
+                self._undo(tail, size, count, first, exc)
+            return list(range(first, self._next))
+
+    def _undo(self, tail: Segment, size: int, count: int, first: int, exc: OSError) -> None:
+        """After a failed write or sync: cut what this call wrote (the log is as it was before), then raise. A log
+        whose sync failed, or that cannot be cut back, refuses appends until reopened."""
+        del tail.offsets[count:]
+        tail.size, self._next = size, first
+        self._durable = min(self._durable, first)
+        err = self.error or io_error(exc, tail.path, "appending to")
+        try:
+            assert self._fd is not None
+            _truncate(self._fd, size, tail.path)
+        except OSError as again:
+            self.error = io_error(again, tail.path, "cutting a failed append from",
+                                  f"{_REOPEN} (opening cuts the partial record as a torn tail)")
+            raise self.error from None
+        raise err from None
 
     def _check_writable(self) -> None:
         if self.error is not None:
@@ -210,11 +290,13 @@ class Log:
         if self.error is not None:
             raise self.error
         if self._fd is not None and self._durable < self._next:
+            path = self.segments[-1].path
             try:
-                _sync(self._fd, self.segments[-1].path)
+                _sync(self._fd, path)
             except OSError as exc:  # never retried and trusted: this log refuses to go on (reopen it)
-                self.error = exc
-                raise
+                self.error = io_error(exc, path, "syncing", _REOPEN)
+                raise self.error from None
+            self._put_mark(self._next)
         self._durable = self._next
         self._deadline = None
         self._flushed.notify_all()
@@ -269,11 +351,9 @@ class Log:
     def get(self, seq: int) -> bytes:
         """One record's payload, checked against its checksum."""
         seg, off = self._locate(seq)
-        with open(seg.path, "rb") as f:
-            f.seek(off)
-            head = f.read(HEADER_BYTES)
-            n = int.from_bytes(head[:4], "little") if len(head) == HEADER_BYTES else 0
-            data = memoryview(head + f.read(padded(min(n, MAX_RECORD_BYTES))))
+        i = seq - seg.first_seq
+        end = seg.offsets[i + 1] if i + 1 < len(seg.offsets) else seg.size
+        data = memoryview(read_at(seg.path, seq, off, end - off))
         fr = read_frame(data, 0, seq)
         if fr is None:
             raise damaged(seg.path, off, seq, "no longer matches its checksum (changed since the log was opened)")
@@ -292,16 +372,27 @@ class Log:
     # -- dropping ---------------------------------------------------------------------------------------------------
     def drop_before(self, seq: int) -> int:
         """Delete the segments whose records all come before ``seq`` (never the one being appended to), oldest
-        first, so what remains stays contiguous at every moment. Returns the bytes freed."""
+        first, the directory synced after each unlink: unlinks reach the disk in any order otherwise, and a crash
+        could keep an older segment and lose a newer one, a gap. So what remains is contiguous in every state a
+        crash can leave. Returns the bytes freed."""
         freed = 0
         with self._mutex:
             self._check_writable()
             while len(self.segments) > 1 and self.segments[1].first_seq <= seq:
-                seg = self.segments.pop(0)
+                seg = self.segments[0]
+                try:
+                    _unlink(seg.path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    raise io_error(exc, seg.path, "deleting", "check the disk; compacting again deletes it") from None
+                self.segments.pop(0)
                 freed += seg.size
-                os.unlink(seg.path)
-            if freed:
-                _sync_dir(self.directory)
+                try:
+                    _sync_dir(self.directory)
+                except OSError as exc:
+                    raise io_error(exc, self.directory, "syncing", "check the disk; compacting again goes on") \
+                        from None
         return freed
 
     @property
@@ -321,8 +412,13 @@ class Log:
                 self._closed = True
                 self._flushed.notify_all()
                 if self._fd is not None:
-                    os.close(self._fd)
-                    self._fd = None
+                    fd, self._fd = self._fd, None
+                    try:
+                        os.close(fd)
+                    except OSError as exc:
+                        raise io_error(exc, self.segments[-1].path, "closing", _REOPEN) from None
+                    finally:
+                        self._release_lock()
                 self._release_lock()
         if self._flusher is not None and self._flusher is not threading.current_thread():
             self._flusher.join()

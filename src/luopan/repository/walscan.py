@@ -1,5 +1,19 @@
 """Opening a log's segments (docs/format.md §16.2): every frame checked, a torn tail of the last segment cut back to
-the last whole record, damage anywhere else an error naming the segment and the offset."""
+the last whole record, damage anywhere else an error naming the segment and the offset.
+
+The torn-tail rule. A crash can leave what was written after the last sync lost, cut short, garbled, zero-filled or
+reaching the disk page by page in any order; what a sync covered is intact. Only the last segment can have a torn
+tail (each segment is synced in full before the next one starts). Its first unreadable frame (seq S) starts one when
+- nothing readable follows it (the file ends in a cut-short, zero-filled or garbled region): cutting it deletes no
+  intact record; or
+- intact frames follow it, but nothing on disk says S had been synced: no later intact frame's durable mark exceeds
+  S, and neither does the log's sync mark (``DURABLE``, rewritten after every sync, never synced itself). Then S and
+  what follows were never acknowledged as durable (an acknowledgement comes after the sync and the sync mark), and
+  the pages of the unsynced tail reached the disk out of order.
+Anything else is damage: an error naming the file and offset, nothing cut. So is a damaged segment header, unless the
+segment holds nothing but it (a crash while the segment was being started: it is written and synced before any
+record goes in), and any unreadable frame in a segment other than the last.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +22,21 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..errors import CorruptJournalError
+from ..errors import CorruptJournalError, RecordNotFoundError
 from ..format.records import (
     HEADER_BYTES,
-    durable_after,
+    SYNC_MARK_NAME,
+    frames_after,
     parse_segment_header,
+    parse_sync_mark,
     read_frame,
     segment_header,
     segment_seq,
 )
+from .walio import io_error
 
 logger = logging.getLogger("luopan")
+_RESCANS = 8  # a read-only scan starts again when a writer deletes a segment under it (compaction); this many times
 
 
 @dataclass
@@ -58,13 +76,34 @@ def damaged(path: str, offset: int, seq: int, why: str) -> CorruptJournalError:
     return err
 
 
+def gone(path: str, seq: int) -> RecordNotFoundError:
+    return RecordNotFoundError(f"record {seq}: its segment {path} was deleted after this log was opened (the writer "
+                               "compacted it into a snapshot): reopen the journal, read its latest snapshot, then the "
+                               "records from the snapshot's seq")
+
+
+def read_sync_mark(directory: str) -> int:
+    """What the log's sync mark vouches for: every record below it had been synced (0 when there is none or it is
+    damaged: a damaged mark proves nothing)."""
+    path = os.path.join(directory, SYNC_MARK_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(HEADER_BYTES + 1)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise io_error(exc, path, "reading") from None
+    return parse_sync_mark(data) or 0
+
+
 def _read(path: str) -> memoryview:
     with open(path, "rb") as f:  # a segment is at most segment_bytes (plus one large record): read whole
         return memoryview(f.read())
 
 
-def _scan(seg: Segment, buf: memoryview, last: bool) -> tuple[int, str] | None:
-    """Fill ``seg.offsets``; return (offset, reason) of a torn tail of the last segment, or None when clean."""
+def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int) -> tuple[int, str] | None:
+    """Fill ``seg.offsets``; return (offset, reason) of a torn tail of the last segment, or None when clean.
+    ``vouched``: the log's sync mark (records below it were synced)."""
     pos, seq = HEADER_BYTES, seg.first_seq
     while pos < len(buf):
         f = read_frame(buf, pos, seq)
@@ -77,10 +116,14 @@ def _scan(seg: Segment, buf: memoryview, last: bool) -> tuple[int, str] | None:
                 reason = "a record whose checksum does not match"
             if not last:
                 raise damaged(seg.path, pos, seq, f"is unreadable ({reason}) in a segment that was complete")
-            later = durable_after(buf, pos, seq)
+            later, intact = frames_after(buf, pos, seq)
             if later is not None:
                 raise damaged(seg.path, pos, seq, f"is unreadable ({reason}), but record {later.seq} (offset "
                               f"{later.offset}) was written after it had been made durable")
+            if intact is not None and seq < vouched:
+                raise damaged(seg.path, pos, seq, f"is unreadable ({reason}) although record {intact.seq} (offset "
+                              f"{intact.offset}) after it is intact, and the log's sync mark ({SYNC_MARK_NAME}) says "
+                              f"every record below {vouched} had been made durable")
             return pos, reason
         seg.offsets.append(pos)
         pos += f.size
@@ -90,8 +133,27 @@ def _scan(seg: Segment, buf: memoryview, last: bool) -> tuple[int, str] | None:
 
 
 def scan_directory(directory: str, *, cut: bool) -> tuple[list[Segment], list[Recovery]]:
-    """The segments of a log, checked; a torn tail is truncated (and synced) when ``cut``."""
-    names = sorted(n for n in os.listdir(directory) if segment_seq(n) is not None)
+    """The segments of a log, checked; a torn tail is truncated (and synced) when ``cut``. Read-only (not ``cut``),
+    a segment deleted meanwhile by the writer (compaction) makes the scan start again."""
+    for attempt in range(_RESCANS):
+        try:
+            return _scan_directory(directory, cut)
+        except FileNotFoundError as exc:
+            if cut or attempt == _RESCANS - 1:
+                raise io_error(exc, exc.filename or directory, "reading") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _scan_directory(directory: str, cut: bool) -> tuple[list[Segment], list[Recovery]]:
+    try:
+        names = sorted(n for n in os.listdir(directory) if segment_seq(n) is not None)
+        vouched = read_sync_mark(directory)
+    except FileNotFoundError:
+        if not cut:
+            return [], []  # read-only, before the log's first writer created it: no records yet
+        raise
+    except OSError as exc:
+        raise io_error(exc, directory, "listing") from None
     segments: list[Segment] = []
     recovered: list[Recovery] = []
     for i, name in enumerate(names):
@@ -102,13 +164,21 @@ def scan_directory(directory: str, *, cut: bool) -> tuple[list[Segment], list[Re
         if segments and segments[-1].end_seq != first:
             raise damaged(segments[-1].path, segments[-1].size, segments[-1].end_seq,
                           f"is missing: the next segment, {name}, starts at record {first}")
-        buf = _read(path)
+        try:
+            buf = _read(path)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise io_error(exc, path, "reading") from None
         head = parse_segment_header(bytes(buf[:HEADER_BYTES]))
         if head != first:
-            if not last:
-                raise damaged(path, 0, first, "cannot be found: the segment's header is damaged")
+            if not last or len(buf) > HEADER_BYTES:
+                # A header is written and synced before any record goes in: one that is bad while records
+                # follow it was damaged after it was made durable.
+                raise damaged(path, 0, first, "cannot be found: the segment's header is damaged (the segment holds "
+                              f"{len(buf)} bytes)")
             # The last segment's header itself was torn (a crash while the segment was being started): no
-            # record was ever acknowledged in it, so it starts again empty.
+            # record was ever written in it, so it starts again empty.
             rec = Recovery(path, 0, len(buf), first, "a segment header cut short or damaged", cut)
             if cut:
                 _rewrite_header(path, first)
@@ -116,13 +186,13 @@ def scan_directory(directory: str, *, cut: bool) -> tuple[list[Segment], list[Re
             segments.append(Segment(path, first))
             continue
         seg = Segment(path, first)
-        torn = _scan(seg, buf, last)
+        torn = _scan(seg, buf, last, vouched)
         if torn is not None:
             off, reason = torn
             seg.size = off
             recovered.append(Recovery(path, off, len(buf) - off, seg.end_seq, reason, cut))
-        if torn is not None and cut:
-            _truncate(path, off)
+            if cut:
+                _truncate(path, off)
         segments.append(seg)
     for rec in recovered:
         logger.warning("journal recovery: %s", rec)
@@ -130,21 +200,41 @@ def scan_directory(directory: str, *, cut: bool) -> tuple[list[Segment], list[Re
 
 
 def _truncate(path: str, size: int) -> None:
-    fd = os.open(path, os.O_WRONLY)
     try:
-        os.ftruncate(fd, size)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise io_error(exc, path, "cutting the torn tail of") from None
 
 
 def _rewrite_header(path: str, first: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
     try:
-        os.write(fd, segment_header(first))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        try:
+            data = memoryview(segment_header(first))
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise io_error(exc, path, "rewriting the torn header of") from None
+
+
+def read_at(path: str, seq: int, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset`` of a segment (fewer at its end); errors name the file."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+    except FileNotFoundError:
+        raise gone(path, seq) from None
+    except OSError as exc:
+        raise io_error(exc, path, "reading") from None
 
 
 def iter_segment(seg: Segment, count: int, start_seq: int, end_seq: int) -> Iterator[tuple[int, bytes]]:
@@ -154,11 +244,21 @@ def iter_segment(seg: Segment, count: int, start_seq: int, end_seq: int) -> Iter
     last = min(end_seq - seg.first_seq, count)
     if first >= last:
         return
-    with open(seg.path, "rb", buffering=1 << 20) as f:
+    try:
+        f = open(seg.path, "rb", buffering=1 << 20)
+    except FileNotFoundError:
+        raise gone(seg.path, seg.first_seq + first) from None
+    except OSError as exc:
+        raise io_error(exc, seg.path, "reading") from None
+    with f:
         f.seek(seg.offsets[first])
         for i in range(first, last):  # frames are contiguous: sequential reads
             stop = seg.offsets[i + 1] if i + 1 < len(seg.offsets) else seg.size
-            fr = read_frame(memoryview(f.read(stop - seg.offsets[i])), 0, seg.first_seq + i)
+            try:
+                data = f.read(stop - seg.offsets[i])
+            except OSError as exc:
+                raise io_error(exc, seg.path, "reading") from None
+            fr = read_frame(memoryview(data), 0, seg.first_seq + i)
             if fr is None:
                 raise damaged(seg.path, seg.offsets[i], seg.first_seq + i,
                               "no longer matches its checksum (changed since the log was opened)")
