@@ -1,7 +1,11 @@
 """Collective saves under torch.distributed (docs/format.md §10.5): ``repo.save(run, step, state, group=…)``, called
 by every rank of the group, is one checkpoint.
 
-1. Every rank flattens its state and shares, per tensor, its key path, dtype, shape and XXH3-128 digest.
+1. Every rank flattens its state and shares, per tensor, its key path, dtype, shape and XXH3-128 digest, with its
+   run, step, ``overwrite`` and tree structure, which must agree on every rank (else every rank raises one
+   CollectiveError naming what each passed, before anything is written). Ties (one tensor at several key paths) are
+   per rank: a path tied on some ranks only, or to different paths, is kept per rank, and each rank that tied it
+   gets the entry of the path it is tied to (stored once, loaded back tied on that rank).
 2. A tensor equal on every rank (DDP) is written once in total: by one rank, chosen to spread the bytes evenly. A
    tensor that differs between ranks (each rank's RNG state) is written by every rank and kept per rank: its node in
    the tree becomes ``{"rank-0": …, "rank-1": …}`` and the manifest's ``ranks`` member names it.
@@ -14,6 +18,7 @@ by every rank of the group, is one checkpoint.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import xxhash
@@ -52,15 +57,16 @@ class Collective(Parts):
         return _save_collective(self, run, step, state, _group(group), **options)
 
     def load(self, run: str, step: int | None = None, *, group: Any = None) -> Any:
-        """``Repo.load``; with ``group``, each rank gets its own values of a collective checkpoint — per-rank entries
-        (``{"rank-0": …}`` nodes) and shards (its local tensor) — and reads only those; without it, all of them:
-        per-rank values by rank, sharded tensors assembled whole."""
+        """``Repo.load``; with ``group`` (every rank passing the same run and step, else CollectiveError on each),
+        each rank gets its own values of a collective checkpoint — per-rank entries (``{"rank-0": …}`` nodes) and
+        shards (its local tensor) — and reads only those; without it, all of them: per-rank values by rank, sharded
+        tensors assembled whole."""
         if group is None or group is False:
             m = self.manifest(run, step)
             return collectiveload.load(self, m) if "ranks" in m.doc else self._load_manifest(m)
         g = _group(group)
         dist = _dist()
-        m = self.manifest(run, _agreed_step(self, run, step, g))
+        m = self.manifest(run, _agreed(self, "load", run, step, g))
         return collectiveload.load(self, m, dist.get_rank(g), dist.get_world_size(g))
 
     def load_into(self, run: str, target: Any, step: int | None = None, *, strict: bool = True,
@@ -75,7 +81,7 @@ class Collective(Parts):
             return collectiveload.load_into(self, m, target, strict=strict)
         g = _group(group)
         dist = _dist()
-        m = self.manifest(run, _agreed_step(self, run, step, g))
+        m = self.manifest(run, _agreed(self, "load_into", run, step, g))
         return collectiveload.load_into(self, m, target, strict=strict, rank=dist.get_rank(g),
                                         world=dist.get_world_size(g))
 
@@ -87,40 +93,76 @@ def _group(group: Any) -> Any:
     return dist.group.WORLD if group is True else group
 
 
-def _agreed_step(repo: Collective, run: str, step: int | None, g: Any) -> int | None:
-    """``step``, or for "latest" the one rank 0 resolved: a commit between two ranks' reads cannot mix steps."""
-    if step is not None:
-        return step
+def _agreed(repo: Collective, op: str, run: str, step: int | None, g: Any) -> int:
+    """The step every rank of ``g`` loads: all must pass the same ``run`` and ``step`` (else CollectiveError on every
+    rank); for "latest" (None) the one rank 0 resolved, so a commit between two ranks' reads cannot mix steps. One
+    round trip."""
     dist = _dist()
-    chosen: list[Any] = [None]
-    if dist.get_rank(g) == 0:  # an error here reaches every rank, not only rank 0 (the others would wait)
+    resolved: Any = None
+    if step is None and dist.get_rank(g) == 0:  # an error here reaches every rank (the others would wait)
         try:
             steps = repo.steps(run)
-            chosen = [("ok", steps[-1]) if steps else ("error", repo._no_checkpoint(run))]
+            resolved = ("ok", steps[-1]) if steps else ("error", repo._no_checkpoint(run))
         except Exception as exc:  # noqa: BLE001
-            chosen = [("error", f"{type(exc).__name__}: {exc}")]
-    dist.broadcast_object_list(chosen, src=dist.get_global_rank(g, 0), group=g)
-    status, value = chosen[0]
+            resolved = ("error", f"{type(exc).__name__}: {exc}")
+    asked = (op, repr(run), "None (the latest)" if step is None else _shown_step(step))
+    everyone = _agree(dist, g, True, (asked, resolved), what=f"a collective {op}")
+    _refuse_disagreement(f"a collective {op}", [a for a, _r in everyone], "nothing was loaded")
+    if step is not None:
+        return step
+    status, value = everyone[0][1]
     if status != "ok":
         raise CheckpointNotFoundError(f"rank 0 could not resolve the latest checkpoint of run {run!r}: {value}")
     return int(value)
 
 
-def _agree(dist: Any, group: Any, ok: bool, what: Any, committing: bool = False) -> list[Any]:
+def _refuse_disagreement(what: str, asked: list[tuple[Any, ...]], outcome: str) -> None:
+    """CollectiveError (the same on every rank) naming each argument the ranks passed differently, and who passed
+    what; ``asked`` holds each rank's (call, run, step[, overwrite]): a save meeting a load differs in the call."""
+    problems = []
+    for k, name in enumerate(("call", "run", "step", "overwrite")):
+        groups: dict[Any, list[int]] = {}
+        for r, a in enumerate(asked):
+            groups.setdefault(a[k] if k < len(a) else None, []).append(r)
+        if len(groups) > 1:
+            verb = "called" if name == "call" else "passed"
+            problems.append(f"{name}: " + ", ".join(f"{_ranks(rs)} {verb} {v}" for v, rs in list(groups.items())[:4]))
+        if problems and name == "call":
+            break  # the other arguments of different calls are not comparable
+    if problems:
+        raise CollectiveError(f"{what} failed: the ranks disagree on its arguments ({'; '.join(problems)}); every "
+                              f"rank must make the same call with the same arguments; {outcome}")
+
+
+def _shown_step(step: Any) -> str:
+    try:
+        return str(check_step(step))  # 9, np.int64(9) and tensor(9) are one step
+    except Exception:  # noqa: BLE001 - an invalid step is refused once the ranks agree on it
+        return repr(step)[:40]
+
+
+def _ranks(rs: list[int]) -> str:
+    shown = ", ".join(map(str, rs[:8])) + (f" and {len(rs) - 8} more" if len(rs) > 8 else "")
+    return f"rank {shown}" if len(rs) == 1 else f"ranks {shown}"
+
+
+def _agree(dist: Any, group: Any, ok: bool, detail: Any, committing: bool = False,
+           what: str = "a collective save") -> list[Any]:
     """All ranks' (ok, detail); CollectiveError on every rank when any failed."""
     world = dist.get_world_size(group)
     out: list[Any] = [None] * world
+    saving = what == "a collective save"
     try:
-        dist.all_gather_object(out, (ok, what), group=group)
+        dist.all_gather_object(out, (ok, detail), group=group)
     except Exception as exc:  # noqa: BLE001 - a dead rank, a timeout: the group is broken
         outcome = ("rank 0 may have committed it: check with repo.steps(run)" if committing
-                   else "nothing was committed")
-        raise CollectiveError(f"a collective save lost contact with a rank ({type(exc).__name__}: "
+                   else "nothing was committed" if saving else "nothing was loaded")
+        raise CollectiveError(f"{what} lost contact with a rank ({type(exc).__name__}: "
                               f"{str(exc)[:300]}); {outcome}") from None
     failed = [(r, d) for r, (o, d) in enumerate(out) if not o]
     if failed:
         shown = "; ".join(f"rank {r}: {d}" for r, d in failed[:4])
-        raise CollectiveError(f"a collective save failed ({shown}); nothing was committed")
+        raise CollectiveError(f"{what} failed ({shown}); {'nothing was committed' if saving else 'nothing was loaded'}")
     return [d for _o, d in out]
 
 
@@ -144,21 +186,24 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                  if lf.alias_of is None else f"alias:{lf.alias_of}", _layout(declared.get(id(lf.obj))))
                 for lf in leaves]
         shape = canonical(skeleton).decode()
-        report: Any = (mine, shape)
-        ok, detail = True, report
+        ok, detail = True, (("save", repr(run), str(step), bool(overwrite)), (mine, shape))
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         ok, detail = False, f"{type(exc).__name__}: {exc}"
-    everyone = _agree(dist, group, ok, detail)
-    if any(shape != everyone[0][1] for _m, shape in everyone):
-        raise CollectiveError("the ranks' states differ in structure or in non-tensor values; keep per-rank values "
-                              "in tensors (they are stored per rank), or save each rank's state to its own run")
+    everyone = _agree(dist, group, ok, detail)  # the one round trip that also checks the ranks agree
+    _refuse_disagreement("a collective save", [h for h, _r in everyone], "nothing was committed")
+    reports = [r for _h, r in everyone]
+    problem = _structure_problem([shape for _m, shape in reports])
+    if problem:
+        raise CollectiveError(f"a collective save failed: the ranks' states differ in structure or in non-tensor "
+                              f"values ({problem}); keep per-rank values in tensors (they are stored per rank), or "
+                              "save each rank's state to its own run; nothing was committed")
     # 2. who writes what
     load = [0] * world
     owner: dict[str, int] = {}
-    per_rank: list[str] = []
+    per_rank: dict[str, list[int | None]] = {}  # path -> per rank, the leaf its value is tied to (None: its own)
     sharded: dict[str, list[Placed]] = {}
-    for i, row in enumerate(everyone[0][0]):
-        rows = [m[i] for m, _s in everyone]
+    for i, row in enumerate(reports[0][0]):
+        rows = [m[i] for m, _s in reports]
         if any(r[6] is not None for r in rows):  # a sharded tensor: each distinct shard once
             placed = place_shards(row[0], rows, load)
             if placed is not None:
@@ -166,11 +211,12 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
             continue
         path, digests = row[0], {(r[1], r[2], tuple(r[3]), r[5]) for r in rows}
         if len(digests) == 1:
-            r = min(range(world), key=lambda k: (load[k], k))
-            owner[path] = r
-            load[r] += row[4]
-        else:
-            per_rank.append(path)
+            if not row[5].startswith("alias:"):  # tied alike on every rank: stored with what it is tied to
+                r = min(range(world), key=lambda k: (load[k], k))
+                owner[path] = r
+                load[r] += row[4]
+        else:  # differs between ranks, or is tied on some ranks only (or to other paths): ties are per rank
+            per_rank[path] = [int(r[5][6:]) if r[5].startswith("alias:") else None for r in rows]
     try:
         own = [(lf.path, lf.obj) for lf in leaves if lf.alias_of is None and owner.get(lf.path) == rank]
         own += [(join_path(lf.path, f"{RANK_PREFIX}{rank}"), lf.obj) for lf in leaves
@@ -192,9 +238,9 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                 for e in rank_entries:
                     index[e["path"]] = len(entries)
                     entries.append(e)
-            tree = _tree(skeleton, leaves, index, set(per_rank), world, sharded)
-            rows = {row[0]: row for row in everyone[0][0]}
-            member = ranks_member(world, per_rank, {
+            tree = _tree(skeleton, leaves, index, per_rank, sharded)
+            rows = {row[0]: row for row in reports[0][0]}
+            member = ranks_member(world, list(per_rank), {
                 path: (rows[path][2], rows[path][6][0],
                        [(p.offsets, p.sizes, index[join_path(path, p.name)], p.ranks) for p in placed])
                 for path, placed in sharded.items()})
@@ -211,23 +257,68 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                                                                       manifest_key(run, step))
 
 
+def _structure_problem(shapes: list[str]) -> str | None:
+    """Where the first rank whose skeleton (canonical JSON) differs from rank 0's differs, and what each has there."""
+    for r, shape in enumerate(shapes):
+        if shape != shapes[0]:
+            path, mine, theirs = _first_difference(json.loads(shapes[0]), json.loads(shape), "") or ("", "?", "?")
+            return f"at key path {path or '<root>'!r} rank 0 has {mine}, rank {r} has {theirs}"
+    return None
+
+
+def _first_difference(a: Any, b: Any, path: str) -> tuple[str, str, str] | None:
+    (ta, va), = a.items()
+    (tb, vb), = b.items()
+    if ta != tb or ta not in ("dict", "list", "tuple"):
+        return None if a == b else (path, _describe(a), _describe(b))
+    if ta == "dict":
+        da, db = dict((k, v) for k, v in va), dict((k, v) for k, v in vb)
+        for k in [k for k, _v in va] + [k for k, _v in vb if k not in da]:
+            if k not in da or k not in db:
+                return (join_path(path, k), _describe(da[k]) if k in da else "nothing",
+                        _describe(db[k]) if k in db else "nothing")
+            found = _first_difference(da[k], db[k], join_path(path, k))
+            if found:
+                return found
+        return None if [k for k, _v in va] == [k for k, _v in vb] else (path, "other key order", "other key order")
+    if len(va) != len(vb):
+        return path, _describe(a), _describe(b)
+    return next((d for i, (x, y) in enumerate(zip(va, vb)) if (d := _first_difference(x, y, join_path(path, i)))),
+                None)
+
+
+def _describe(n: Any) -> str:
+    (tag, value), = n.items()
+    if tag == "entry":
+        return "a tensor"
+    if tag in ("dict", "list", "tuple"):
+        return f"a {tag} of {len(value)}"
+    if tag == "typed":
+        return f"a {value.get('type')} value" if isinstance(value, dict) else "a typed value"
+    return "None" if tag == "none" else f"{tag} {value!r}"[:80]
+
+
 def _layout(layout: Any) -> list[list[int]] | None:
     return None if layout is None else [list(layout[0]), list(layout[1])]
 
 
-def _tree(skeleton: dict[str, Any], leaves: list[Any], index: dict[str, int], per_rank: set[str],
-          world: int, sharded: dict[str, list[Placed]]) -> dict[str, Any]:
+def _tree(skeleton: dict[str, Any], leaves: list[Any], index: dict[str, int], per_rank: dict[str, list[int | None]],
+          sharded: dict[str, list[Placed]]) -> dict[str, Any]:
     """Rank 0's skeleton with entry nodes pointing at the committed entries (per-rank ones as rank dicts, sharded ones
-    as dicts of their shards)."""
+    as dicts of their shards). A rank whose value at a per-rank path is tied to another path's gets that path's entry
+    for this rank there (stored once, loaded back tied on that rank only)."""
+    def stored(path: str, r: int) -> dict[str, Any]:
+        return {"entry": index[join_path(path, f"{RANK_PREFIX}{r}") if path in per_rank else path]}
+
     def node(n: dict[str, Any]) -> dict[str, Any]:
         (tag, value), = n.items()
         if tag == "entry":
             leaf = leaves[value]
+            if leaf.path in per_rank:  # before rank 0's own tie: ties are per rank
+                return {"dict": [[f"{RANK_PREFIX}{r}", stored(leaf.path if k is None else leaves[k].path, r)]
+                                 for r, k in enumerate(per_rank[leaf.path])]}
             if leaf.alias_of is not None:
                 return node({"entry": leaf.alias_of})
-            if leaf.path in per_rank:
-                return {"dict": [[f"{RANK_PREFIX}{r}", {"entry": index[join_path(leaf.path, f"{RANK_PREFIX}{r}")]}]
-                                 for r in range(world)]}
             if leaf.path in sharded:
                 return {"dict": [[p.name, {"entry": index[join_path(leaf.path, p.name)]}] for p in sharded[leaf.path]]}
             return {"entry": index[leaf.path]}
