@@ -373,3 +373,32 @@ def test_records_with_non_string_keys_are_refused(tmp_path):
             j.compact({3: "x"})
         j.append({"a": {"1": "one"}})
         assert list(j.read()) == [{"a": {"1": "one"}}]
+
+
+# -- verify, check and doctor read the logs -----------------------------------------------------------------------
+def test_verify_check_and_doctor_read_journal_segments(tmp_path):
+    import luopan
+    import luopan.doctor
+    from luopan.checkpoint.checking import check
+    from luopan.errors import IntegrityError
+
+    d = str(tmp_path / "repo")
+    with Journal(d, name="agent") as j:  # what a LangGraph saver writes through (the same log code)
+        j.append_many([{"i": i, "pad": "x" * 100} for i in range(6)])
+    repo = luopan.open(d)
+    try:
+        repo.verify()
+        assert not check(repo).problems
+        assert [f.status for f in luopan.doctor.run_checks(repo) if f.check == "logs"] == ["ok"]
+        seg = segs(os.path.join(d, "journals", "agent", "log"))[0]
+        flip(seg, HEADER_BYTES + 40)  # record 0's payload: later records vouch for it
+        with pytest.raises(IntegrityError) as info:
+            repo.verify()
+        assert any(isinstance(p, CorruptJournalError) and seg in str(p) for p in info.value.problems)
+        assert any(isinstance(p, CorruptJournalError) for p in check(repo).problems)
+        logs = [f for f in luopan.doctor.run_checks(repo) if f.check == "logs"]
+        assert [f.status for f in logs] == ["fail"] and seg in logs[0].message
+    finally:
+        repo.close()
+    with open(seg, "rb") as f:
+        assert len(f.read()) > 600  # nothing was cut

@@ -33,6 +33,7 @@ from ..format.names import is_index_key, latest_ref_key, pack_key
 from ..format.pack import PackFormatError
 from ..format.refs import parse_ref
 from ..repository.chunkio import ChunkRef, read_trailer, verify_chunks
+from ..repository.logcheck import log_problems
 from ..repository.pins import numbered_files, pin_prefix, pin_problems
 from ..repository.verify import as_problem, manifest_chunk_refs, patch_problems
 from ..store.base import KeyNotFound
@@ -141,6 +142,7 @@ def check(repo: Any, subset: Subset | None = None, *, progress: Callable[[int], 
     for pack in sorted(by_pack):
         problems += _pack_problems(store, pack, by_pack[pack])
     problems += _index_problems(store, rep)
+    problems += log_problems(repo)  # journal and op-log segments, as opening them would
     problems += _ref_and_pin_problems(repo, committed, rep.notes)
     if subset is not None:
         chosen = subset.pick(sorted(refs.values(), key=lambda r: (r.pack, r.offset)))

@@ -10,6 +10,7 @@ from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, Unr
 from ..format.names import check_run, check_step, manifest_key, signatures_prefix
 from ..repository.locks import locked
 from ..repository.pins import pin_problems
+from ..repository.logcheck import log_problems
 from ..repository.verify import index_problems, raise_problems, verify_manifests
 from ..repository.pruning import prune_series
 from ..retention import Plan, Rules
@@ -88,6 +89,7 @@ class Maintaining(Saving, Reading):
                     for series in kind.scan(self.store, None, False).runs:
                         problems += pin_problems(self.store, kind, series)
             problems += index_problems(self.store)
+            problems += log_problems(self)  # journal and op-log segments, as opening them would
         report = VerifyReport(len(targets), checked.chunks, checked.bytes, problems,
                               [s for s in strays if not s.unreadable])
         raise_problems(problems, report)

@@ -26,6 +26,7 @@ from .finding import Finding, exit_code
 from .formatversion import check_format
 from .leftovers import check_strays, check_temporaries
 from .locks import check_clock, check_locks
+from .logs import check_journal_logs
 from .space import check_space
 from .tiers import check_replication
 from .verifying import check_newest
@@ -36,6 +37,7 @@ CHECKS: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
     ("space", check_space),
     ("locks", check_locks),
     ("verify", check_newest),
+    ("logs", check_journal_logs),
     ("replication", check_replication),
     ("leftovers", check_temporaries),
     ("strays", check_strays),
