@@ -13,7 +13,8 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, Optional, TypeVar
 
 import typer
@@ -26,6 +27,7 @@ from .. import __version__
 from ..errors import (
     GcError,
     IntegrityError,
+    InvalidNameError,
     LuopanError,
     ManifestNotFoundError,
     RepoNotFoundError,
@@ -33,6 +35,7 @@ from ..errors import (
     UsageError,
 )
 from ..format import FORMAT_VERSION
+from ..format.names import parse_ref_text
 from ..repo import Repo
 from ..repo import open as repo_open
 from ..units import format_bytes
@@ -162,6 +165,25 @@ def handles_errors(fn: F) -> F:
             raise typer.Exit(exit_code_for(exc)) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextmanager
+def usage_errors() -> Iterator[None]:
+    """Within: an invalid name or number (InvalidNameError) comes from what the user typed, so it is a usage error
+    (UsageError, exit 2), as a bad flag is."""
+    try:
+        yield
+    except InvalidNameError as exc:
+        if isinstance(exc, UsageError):
+            raise
+        raise UsageError(str(exc)) from None
+
+
+def ref_argument(text: str, what: str = "reference") -> tuple[str, int]:
+    """The CLI's one parser of a NAME@N argument (RUN@STEP, NAME@V) -> (NAME, N); a malformed one (``ds@x``,
+    ``ds@-1``, no '@') is a usage error: exit 2 with the message."""
+    with usage_errors():
+        return parse_ref_text(text, what)
 
 
 def open_repo(repo: str, **options: Any) -> Repo:
