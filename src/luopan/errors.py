@@ -263,6 +263,27 @@ class RecordNotFoundError(ManifestNotFoundError):
     (read the snapshot with ``latest_snapshot()``, then the records from its ``seq``)."""
 
 
+class InvalidPathError(UnsupportedFileError, InvalidNameError, UsageError):
+    """A file an artifact commit was given has a name the name rule refuses (docs/format.md §2: a backslash, a
+    control character such as a newline, a '.' or '..' part, a name that is not valid UTF-8…). The message names it,
+    escaped; nothing was written. The CLI exits 2."""
+
+
+class SourceChangedError(UnsupportedFileError):
+    """A file or directory changed while an artifact commit was reading it (replaced by a symbolic link, a FIFO or
+    another file after it was listed). Nothing was committed and no link was followed; commit again once it is still.
+    ``path`` names it."""
+
+    path: str = ""
+
+
+class ManifestNameError(CorruptManifestError):
+    """A manifest (written by an older luopan) names a file the name rule refuses (docs/format.md §2); everything else
+    in it is valid. It cannot be loaded as it is; ``doc`` is what it references, so gc keeps that data."""
+
+    doc: Any = None
+
+
 class CleanupWarning(UserWarning):
     """A write luopan already committed could not tidy up after itself (a temporary file it could not remove, a file
     descriptor whose close failed, an op log it could not trim). Nothing committed is lost and the operation

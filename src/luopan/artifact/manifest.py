@@ -13,12 +13,11 @@ from ..errors import CorruptManifestError
 from ..format.canonical import seal
 from ..format.kindmanifest import check_created, check_members, chunk_row_ok, open_manifest
 from ..format.manifest import chunk_bytes
-from ..format.names import is_artifact_name, parse_ref_text
-from ..errors import InvalidNameError
+from ..format.names import MAX_PATH_CHARS, is_artifact_name, parse_ref_text, path_problem, show_path
+from ..errors import InvalidNameError, ManifestNameError
 
 ARTIFACT_FORMAT_VERSION = 3  # docs/format.md §1: artifacts arrived with format 3
 MAX_ENTRIES = 1_000_000
-MAX_PATH_CHARS = 4096
 MAX_PARENTS = 1024
 MODE_MASK = 0o7777
 MAX_ARTIFACT_CHUNK = 16 << 20  # FastCDC's largest maximum: a row declaring more is damage (buffers sized by rows)
@@ -29,21 +28,9 @@ _STATS = ("logical_bytes", "files", "chunks", "new_chunks", "new_bytes", "stored
 
 
 def check_relpath(path: object) -> str | None:
-    """Why ``path`` is not a relative path inside the artifact (None when it is one): '/'-separated, no empty, '.'
-    or '..' part, no leading '/', no backslash, NUL or control character."""
-    if not isinstance(path, str) or not path:
-        return "an empty path"
-    if len(path) > MAX_PATH_CHARS:
-        return f"a path longer than {MAX_PATH_CHARS} characters"
-    if path.startswith("/"):
-        return "an absolute path"
-    if any(part in ("", ".", "..") for part in path.split("/")):
-        return "a path with an empty, '.' or '..' part (it would escape or alias the directory)"
-    if "\\" in path or any(ord(c) < 32 or c == "\x7f" for c in path):
-        return "a path with a backslash or a control character"
-    if any(0xD800 <= ord(c) <= 0xDFFF for c in path):
-        return "a path that is not valid Unicode (a lone surrogate)"
-    return None
+    """Why ``path`` is not a relative path inside the artifact (None when it is one): the name rule of every kind
+    (luopan.format.names.path_problem)."""
+    return path_problem(path, MAX_PATH_CHARS)
 
 
 def seal_artifact_manifest(doc: dict[str, Any]) -> bytes:
@@ -52,7 +39,9 @@ def seal_artifact_manifest(doc: dict[str, Any]) -> bytes:
 
 def parse_artifact_manifest(data: bytes, where: str, name: str | None = None,
                             version: int | None = None) -> dict[str, Any]:
-    """Parse and fully validate an artifact manifest read from ``where``; CorruptManifestError names what is wrong."""
+    """Parse and fully validate an artifact manifest read from ``where``; CorruptManifestError names what is wrong.
+    A manifest whose only fault is a file name the name rule refuses (written by a luopan that did not check it) gives
+    ManifestNameError, whose ``doc`` (valid in every other respect) says which chunks it references."""
 
     def bad(msg: str) -> CorruptManifestError:
         return CorruptManifestError(f"artifact manifest {where}: {msg}")
@@ -83,43 +72,57 @@ def parse_artifact_manifest(data: bytes, where: str, name: str | None = None,
     if len(entries) > MAX_ENTRIES:
         raise bad("it has too many entries")
     seen: set[str] = set()
+    misnamed: list[tuple[str, str]] = []  # (path, why): names the rule refuses, reported once the rest is checked
     total = 0
     for e in entries:
         if not isinstance(e, dict) or e.get("type") not in ("file", "dir"):
             raise bad("an entry is not a file or directory")
         path = e.get("path")
-        why = check_relpath(path)
+        if not isinstance(path, str):
+            raise bad("an entry path is not a string")
+        why = path_problem(path, MAX_PATH_CHARS)
         if why is not None:
-            raise bad(f"entry path {str(path)[:80]!r} is {why}")
+            misnamed.append((path, why))
         if path in seen:
-            raise bad(f"entry {path!r} appears twice")
+            raise bad(f"entry {show_path(path, 80)} appears twice")
         seen.add(path)
         mode = e.get("mode")
         if not isinstance(mode, int) or isinstance(mode, bool) or mode & ~MODE_MASK:
-            raise bad(f"entry {path!r} has an invalid mode")
+            raise bad(f"entry {show_path(path, 80)} has an invalid mode")
         if e["type"] == "dir":
             if "chunks" in e or "size" in e:
-                raise bad(f"directory entry {path!r} has contents")
+                raise bad(f"directory entry {show_path(path, 80)} has contents")
             continue
         size = e.get("size")
         chunks = e.get("chunks")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(chunks, list) \
                 or e.get("chunking") != "cdc":
-            raise bad(f"file entry {path!r} lacks its size, chunks or chunking")
+            raise bad(f"file entry {show_path(path, 80)} lacks its size, chunks or chunking")
         if not all(chunk_row_ok(r) for r in chunks):
-            raise bad(f"file entry {path!r} has a malformed chunk row")
+            raise bad(f"file entry {show_path(path, 80)} has a malformed chunk row")
         if any(r[4] > MAX_ARTIFACT_CHUNK for r in chunks):
-            raise bad(f"file entry {path!r} has a chunk larger than {MAX_ARTIFACT_CHUNK} bytes")
+            raise bad(f"file entry {show_path(path, 80)} has a chunk larger than {MAX_ARTIFACT_CHUNK} bytes")
         held = chunk_bytes(chunks, len(packs), path, bad)
         if held != size:
-            raise bad(f"file entry {path!r} chunks hold {held} bytes, expected {size}")
+            raise bad(f"file entry {show_path(path, 80)} chunks hold {held} bytes, expected {size}")
         total += size
-    for path in seen:  # every parent directory of an entry is an entry too (so modes and empty dirs round-trip)
+    refused = {p for p, _why in misnamed}
+    for path in seen - refused:  # every parent directory of an entry is an entry too (modes and empty dirs round-trip)
         parent = path.rpartition("/")[0]
         if parent and parent not in seen:
-            raise bad(f"entry {path!r} has no entry for its directory {parent!r}")
+            raise bad(f"entry {show_path(path, 80)} has no entry for its directory {show_path(parent, 80)}")
     if stats["logical_bytes"] != total:
         raise bad(f"its stats say {stats['logical_bytes']} logical bytes, its files hold {total}")
     if not math.isfinite(float(total)):
         raise bad("impossible size")
+    if misnamed:
+        path, why = misnamed[0]
+        more = f" (and {len(misnamed) - 1} more)" if len(misnamed) > 1 else ""
+        exc = ManifestNameError(
+            f"artifact manifest {where}: entry {show_path(path, 80)} is {why}{more}. luopan refuses such names "
+            "(docs/format.md §2; an older luopan stored them): this version cannot be loaded, but what it "
+            "references is known and gc keeps it. Commit the files again under names without control "
+            "characters or backslashes, then delete this manifest file to let gc free what only it uses")
+        exc.doc = doc
+        raise exc
     return doc

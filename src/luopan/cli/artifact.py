@@ -36,14 +36,33 @@ artifact_app = typer.Typer(help="Versioned files and directories (datasets, eval
 app.add_typer(artifact_app, name="artifact")
 
 
-def is_artifact_target(r: Any, name: str) -> bool:
-    """Whether NAME given to a checkpoint command (ls, pin, unpin, prune) means an artifact: a name with '/' (never a
-    run), or one with committed versions and no run of that name."""
+KIND_CHOICES = ("run", "artifact")
+KindOpt = Annotated[Optional[str], typer.Option(
+    "--kind", metavar="run|artifact",
+    help="What NAME is, when a run and an artifact share it (otherwise it is found by name).")]
+
+
+def is_artifact_target(r: Any, name: str, kind: str | None = None) -> bool:
+    """Whether NAME given to a checkpoint command (ls, pin, unpin, prune, verify) means an artifact: ``--kind`` when
+    given; else a name with '/' (never a run), or one with committed versions and no run of that name. A name with
+    both is ambiguous: UsageError (exit 2) naming both and how to choose, rather than quietly acting on the run."""
+    if kind is not None:
+        if kind not in KIND_CHOICES:
+            raise UsageError(f"--kind takes run or artifact, got {kind!r}")
+        return kind == "artifact"
     if not is_artifact_name(name):
         return False
     if not is_run_name(name):
         return True
-    return bool(r.artifact(name).numbers()) and not r.steps(name)
+    versions = r.artifact(name).numbers()
+    if not versions:
+        return False
+    steps = r.steps(name)
+    if steps:
+        raise UsageError(f"{name!r} names both a run ({len(steps)} checkpoint(s)) and an artifact ({len(versions)} "
+                         "version(s)): add --kind run or --kind artifact to say which (or use `luopan artifact "
+                         "log|pin|unpin|prune|verify` for the artifact)")
+    return True
 
 
 def name_and_number(name: str, number: int | None) -> tuple[str, int]:

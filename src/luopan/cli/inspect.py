@@ -13,7 +13,7 @@ from ..checkpoint.export import diff_manifests
 from ..checkpoint.resumes import list_resumes
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import manifest_key, parse_ref_text
-from .artifact import is_artifact_target, log as artifact_log
+from .artifact import KindOpt, is_artifact_target, log as artifact_log
 from .app import (
     JsonOpt,
     RepoOpt,
@@ -45,6 +45,7 @@ def ls(
         "--best", metavar="METRIC[:min|max]",
         help="Only the best checkpoint of RUN by a recorded metric, one line (lowest by default; METRIC:max for "
              "the highest): STEP METRICS TIME.")] = None,
+    kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List runs (and artifacts), or the checkpoints of RUN with sizes, bytes newly written and dedup ratio. An
@@ -87,7 +88,7 @@ def ls(
                       human(row["logical_bytes"]), human(row["stored_bytes"]))
         out.print(t)
         return
-    if is_artifact_target(r, run):
+    if is_artifact_target(r, run, kind):
         artifact_log(repo=repo, name=run, as_json=as_json)
         return
     cps, damaged = _checkpoints(r, run)

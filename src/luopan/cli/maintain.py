@@ -13,7 +13,7 @@ from ..format import FORMAT_VERSION
 from ..repository.locks import break_locks, list_locks, locked
 from ..retention import rules_from_flags
 from ..units import parse_duration
-from .artifact import is_artifact_target, name_and_number
+from .artifact import KindOpt, is_artifact_target, name_and_number
 from .app import (
     JsonOpt,
     RepoOpt,
@@ -108,6 +108,7 @@ def prune(
     keep_tag: Annotated[list[str], typer.Option("--keep-tag", metavar="TAG",
                                                 help="Keep checkpoints pinned with this tag (repeatable).")] = [],  # noqa: B006
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")] = False,
+    kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove checkpoints a retention policy does not keep. The newest and pinned checkpoints always stay.
@@ -123,7 +124,7 @@ def prune(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     r = open_repo(repo)
-    artifact = is_artifact_target(r, run)
+    artifact = is_artifact_target(r, run, kind)
     try:
         if artifact:
             decided = r.artifact(run).prune(rules, dry_run=dry_run)
@@ -145,13 +146,14 @@ def pin(
     step: Annotated[Optional[int], typer.Argument(help="Step of the checkpoint (or artifact version) to protect.")]
     = None,
     tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
+    kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Protect a checkpoint (or artifact version): `luopan prune` never removes a pinned one."""
     repo = repo_location(repo)
     r = open_repo(repo)
     run, step = name_and_number(run, step)
-    artifact = is_artifact_target(r, run)
+    artifact = is_artifact_target(r, run, kind)
     (r.artifact(run) if artifact else r.run(run)).pin(step, tag)
     if as_json:
         emit_json({"artifact" if artifact else "run": run, "version" if artifact else "step": step, "tag": tag,
@@ -167,13 +169,14 @@ def unpin(
     repo: RepoOpt = None,
     run: Annotated[str, typer.Argument(help="Run name (or artifact name; or NAME@V without STEP).")],
     step: Annotated[Optional[int], typer.Argument(help="Step (or artifact version) to unpin.")] = None,
+    kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove a pin (the checkpoint or artifact version itself stays until a prune removes it)."""
     repo = repo_location(repo)
     r = open_repo(repo)
     run, step = name_and_number(run, step)
-    artifact = is_artifact_target(r, run)
+    artifact = is_artifact_target(r, run, kind)
     if (r.artifact(run) if artifact else r.run(run)).unpin(step):
         if as_json:
             emit_json({"artifact" if artifact else "run": run, "version" if artifact else "step": step,

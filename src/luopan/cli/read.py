@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..errors import IntegrityError, UsageError
-from .artifact import is_artifact_target, verify as artifact_verify
+from .artifact import KindOpt, is_artifact_target, verify as artifact_verify
 from .app import JsonOpt, RepoOpt, app, emit_json, err, escape, handles_errors, human, open_repo, out, repo_location
 
 @app.command()
@@ -23,13 +23,14 @@ def verify(
         "--trusted-keys", envvar="LUOPAN_TRUSTED_KEYS",
         help="Directory of trusted public keys (*.pub): every checkpoint must also be signed by one (luopan sign).")]
     = None,
+    kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Read every byte of the selected checkpoints (or artifact versions) and check every hash; without RUN, the whole
     repository: every checkpoint and artifact version, records, pins and index files. Exit 3 and name the damage."""
     repo = repo_location(repo)
     r = open_repo(repo)
-    if run is not None and ("@" in run or is_artifact_target(r, run)):
+    if run is not None and (("@" in run and kind is None) or is_artifact_target(r, run, kind)):
         if trusted_keys:
             raise UsageError("--trusted-keys checks checkpoint signatures; artifact versions are not signed")
         artifact_verify(repo=repo, ref=run if step is None else f"{run}@{step}", as_json=as_json)

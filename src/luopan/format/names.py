@@ -133,6 +133,55 @@ def check_artifact(name: object) -> str:
     return name  # type: ignore[return-value]
 
 
+# -- file paths inside a manifest (artifact files; docs/format.md §2): the one rule, for writers and readers ---------
+MAX_PATH_CHARS = 4096
+# C0 controls (NUL, tab, newline, ESC…), DEL, C1 controls, the backslash, the line and paragraph separators, and lone
+# surrogates (what Python makes of a file name that is not UTF-8)
+_BAD_PATH_CHAR = re.compile(r"[\x00-\x1f\x7f-\x9f\\\u2028\u2029\ud800-\udfff]")
+
+
+def path_problem(path: object, max_chars: int = MAX_PATH_CHARS) -> str | None:
+    """Why ``path`` cannot be a file path inside a manifest (None when it can). The one rule for file names of every
+    kind, checked by writers before anything is written and by every reader of a manifest: 1 to 4096 characters of
+    '/'-separated parts, none of them empty, '.' or '..' (so never absolute), without a backslash, a control character
+    (C0, DEL, C1: NUL, tab, newline, ESC…), a line or paragraph separator (U+2028, U+2029) or a lone surrogate (a
+    file name that is not valid UTF-8)."""
+    if not isinstance(path, str):
+        return f"not a string ({type(path).__name__})"
+    if not path:
+        return "an empty path"
+    if len(path) > max_chars:
+        return f"a path longer than {max_chars} characters"
+    if path.startswith("/"):
+        return "an absolute path"
+    bad = _BAD_PATH_CHAR.search(path)
+    if bad is not None:
+        c = bad.group()
+        if c == "\\":
+            return "a path with a backslash (use '/' between directories)"
+        if 0xD800 <= ord(c) <= 0xDFFF:
+            return "a path that is not valid UTF-8"
+        return f"a path with a control character or line break ({c!r})"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "a path with an empty, '.' or '..' part (it would escape or alias the directory)"
+    return None
+
+
+def show_path(path: object, limit: int = 200) -> str:
+    """A path for a message: repr-escaped (a newline or ESC in it cannot break or colour the line), a name that is
+    not valid UTF-8 shown as its bytes (b'\\xff…'), cut after ``limit`` characters."""
+    if isinstance(path, str):
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            try:
+                path = path.encode("utf-8", "surrogateescape")  # the bytes the file system gave
+            except UnicodeEncodeError:
+                pass  # other lone surrogates: repr shows them escaped
+    text = repr(path)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def check_version(version: object) -> int:
     """An artifact version: an integer from 1 to MAX_STEP."""
     value = check_step(version)

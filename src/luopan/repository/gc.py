@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from ..errors import (
     CorruptRepoError,
     GcError,
     IntegrityError,
+    ManifestNameError,
     StorageError,
     UnsupportedFormatError,
     UsageError,
@@ -79,12 +81,14 @@ def all_manifests(store: Store, kinds: tuple[Kind, ...]) -> list[Marked]:
     return mark_sources(store, kinds)[0]
 
 
-def mark_sources(store: Store, kinds: tuple[Kind, ...]) -> tuple[list[Marked], list[dict[str, Any]]]:
+def mark_sources(store: Store, kinds: tuple[Kind, ...], unloadable: list[str] | None = None
+                 ) -> tuple[list[Marked], list[dict[str, Any]]]:
     """Every committed manifest of every kind, parsed, from each kind's catalog walk; and the readable manifests found
     under stray series directories (``runs/a copy/``: not committed, but someone may rename them back, so what they
-    reference is kept and never repacked). GcError, before anything changes, when a walk could not see the whole
-    repository (a dangling link or unreadable directory may hold manifests) or a manifest cannot be read: gc would
-    otherwise delete data they need."""
+    reference is kept and never repacked). A committed manifest whose only fault is a name the name rule refuses
+    (ManifestNameError: its references are known) joins the second list, and its message ``unloadable``. GcError,
+    before anything changes, when a walk could not see the whole repository (a dangling link or unreadable directory
+    may hold manifests) or a manifest cannot be read: gc would otherwise delete data they need."""
     out: list[Marked] = []
     shadows: list[dict[str, Any]] = []
     for kind in kinds:
@@ -101,6 +105,10 @@ def mark_sources(store: Store, kinds: tuple[Kind, ...]) -> tuple[list[Marked], l
                                   kind.parse(store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number, store)))
             except KeyNotFound:
                 continue  # pruned since the listing
+            except ManifestNameError as exc:  # loads nowhere, but what it needs is known: kept, never repacked
+                shadows.append(exc.doc)
+                if unloadable is not None:
+                    unloadable.append(str(exc))
             except (IntegrityError, StorageError, UnsupportedFormatError) as exc:
                 raise GcError(f"gc stopped before deleting anything: {exc}\ngc cannot tell which data a damaged or "
                               f"unreadable {kind.name} needs; restore that manifest (or its permissions), or remove "
@@ -194,9 +202,11 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
         store.cleanup_temporaries()
     # -- 1. mark --------------------------------------------------------------------------------------------------
     say("mark: reading manifests")
-    manifests, shadows = mark_sources(store, repo.kinds)
+    manifests, shadows = mark_sources(store, repo.kinds, report.unloadable_manifests)
+    for problem in report.unloadable_manifests:
+        warnings.warn(f"gc keeps everything this manifest references: {problem}", stacklevel=2)
     report.manifests = len(manifests)
-    report.stray_manifests = len(shadows)
+    report.stray_manifests = len(shadows) - len(report.unloadable_manifests)
     live: dict[str, dict[str, tuple[int, int, int, str]]] = {}  # pack -> hash -> (offset, length, size, codec)
     users: dict[str, list[int]] = {}  # pack -> indices into manifests
     for i, m in enumerate(manifests):

@@ -32,6 +32,9 @@ class GcReport:
     deleted_packs: int = 0
     deleted_bytes: int = 0
     skipped_repacks: list[str] = field(default_factory=list)  # packs not repacked (a damaged live blob), why
+    # committed manifests that cannot be loaded as they are (a file name the name rule refuses, written by an older
+    # luopan), each with why: what they reference is known, so it is kept and never repacked
+    unloadable_manifests: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall time
 
     def to_json(self) -> dict[str, Any]:
