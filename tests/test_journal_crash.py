@@ -1,6 +1,8 @@
 """Journal durability by simulation (docs/format.md §16.2): the log's writes and syncs are recorded, and for every
 crash point the files are rebuilt as a crash could leave them — what was written after each file's last sync
-dropped, torn, garbled or zero-filled, and a file whose name was never synced into its directory possibly gone.
+dropped, torn, garbled, zero-filled or kept page by page in any mix ("pages"), a file whose name was never synced
+into its directory possibly gone, and the sync mark (never synced) at any version written so far or absent. The
+workload also abandons a writer midway without syncing (a killed process) and goes on with a new one.
 Every record acknowledged in "always" mode (every record a sync covered, in "batch" and "off" modes) must survive,
 no record may come back with other bytes, and the log must open and take appends again."""
 
@@ -15,7 +17,8 @@ import pytest
 from luopan.repository import wal
 from luopan.repository.wal import Log
 
-MODES = ("drop", "torn", "garble", "zeros", "torn-garble")
+MODES = ("drop", "torn", "garble", "zeros", "torn-garble", "pages")
+PAGE = 512
 
 
 class Recorder:
@@ -23,7 +26,11 @@ class Recorder:
         self.events: list[tuple] = []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real_write, real_sync, real_sync_dir = wal._write, wal._sync, wal._sync_dir
+        real_write, real_sync, real_sync_dir, real_mark = wal._write, wal._sync, wal._sync_dir, wal._put_mark
+
+        def put_mark(fd: int, data: bytes, path: str) -> None:
+            self.events.append(("mark", path, bytes(data)))
+            real_mark(fd, data, path)
 
         def write(fd: int, data: bytes, path: str) -> None:
             self.events.append(("write", path, bytes(data)))
@@ -40,13 +47,17 @@ class Recorder:
         monkeypatch.setattr(wal, "_write", write)
         monkeypatch.setattr(wal, "_sync", sync)
         monkeypatch.setattr(wal, "_sync_dir", sync_dir)
+        monkeypatch.setattr(wal, "_put_mark", put_mark)
 
 
 def rebuild(events: list[tuple], k: int, mode: str, rng: random.Random, dest: str, src_dir: str) -> None:
     """The directory as a crash after event ``k`` could leave it."""
     files: dict[str, dict] = {}
+    marks: dict[str, list[bytes]] = {}
     for ev in events[:k]:
-        if ev[0] == "write":
+        if ev[0] == "mark":
+            marks.setdefault(ev[1], []).append(ev[2])
+        elif ev[0] == "write":
             f = files.setdefault(ev[1], {"data": bytearray(), "synced": 0, "named": False})
             f["data"] += ev[2]
         elif ev[0] == "sync":
@@ -70,10 +81,20 @@ def rebuild(events: list[tuple], k: int, mode: str, rng: random.Random, dest: st
             elif mode == "torn-garble":
                 cut = rng.randrange(len(tail) + 1)
                 tail = tail[:cut] + rng.randbytes(rng.randrange(len(tail) - cut + 1))
+            elif mode == "pages":  # each page of the unsynced tail reached the disk or not, in any mix
+                pages = [tail[i : i + PAGE] for i in range(0, len(tail), PAGE)]
+                pages = [p if rng.random() < 0.5 else rng.choice([bytes(len(p)), rng.randbytes(len(p))])
+                         for p in pages]
+                tail = b"".join(pages[: rng.randrange(len(pages) + 1)] if rng.random() < 0.3 else pages)
             else:
                 tail = b""
         with open(os.path.join(dest, os.path.relpath(path, src_dir)), "wb") as out:
             out.write(data + tail)
+    for path, versions in marks.items():  # never synced: any version written so far, or none, may be on disk
+        pick = rng.randrange(len(versions) + 1)
+        if pick < len(versions):
+            with open(os.path.join(dest, os.path.relpath(path, src_dir)), "wb") as out:
+                out.write(versions[pick])
 
 
 def durable_seqs(events: list[tuple], k: int) -> set[int]:
@@ -88,6 +109,19 @@ def durable_seqs(events: list[tuple], k: int) -> set[int]:
     return durable
 
 
+def abandon(log: Log) -> None:
+    """What a killed process leaves: the files as written, nothing synced, the lock released."""
+    with log._mutex:
+        log._closed = True
+        log._flushed.notify_all()
+        if log._fd is not None:
+            os.close(log._fd)
+            log._fd = None
+        log._release_lock()
+    if log._flusher is not None:
+        log._flusher.join()
+
+
 def workload(tmp: str, fsync: str, monkeypatch: pytest.MonkeyPatch, n: int = 90) -> tuple[list[tuple], dict]:
     rec = Recorder()
     rec.install(monkeypatch)
@@ -95,7 +129,12 @@ def workload(tmp: str, fsync: str, monkeypatch: pytest.MonkeyPatch, n: int = 90)
     payloads: dict[int, bytes] = {}
     log = Log(tmp, fsync=fsync, segment_bytes=4096, batch_records=4, batch_ms=10_000)
     i = 0
+    killed = False
     while i < n:
+        if not killed and i >= n // 2:  # the writer dies with what it wrote unsynced; a new one goes on
+            abandon(log)
+            log = Log(tmp, fsync=fsync, segment_bytes=4096, batch_records=4, batch_ms=10_000)
+            killed = True
         batch = [rng.randbytes(rng.choice([0, 5, 40, 300, 1500])) for _ in range(rng.choice([1, 1, 1, 3]))]
         before = len(rec.events)
         seqs = log.append_many(batch)
