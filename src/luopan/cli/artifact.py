@@ -12,7 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from ..artifact import Artifact, ArtifactVersion
 from ..errors import IntegrityError, UsageError
-from ..format.names import check_artifact, check_version, is_artifact_name, is_run_name, parse_ref_text
+from ..format.names import check_artifact, check_version, is_artifact_name, is_run_name
 from ..retention import rules_from_flags
 from .app import (
     MARKUP,
@@ -27,8 +27,10 @@ from .app import (
     open_repo,
     out,
     print_plan,
+    ref_argument,
     repo_location,
     table,
+    usage_errors,
 )
 
 artifact_app = typer.Typer(help="Versioned files and directories (datasets, eval outputs) with lineage.",
@@ -70,16 +72,17 @@ def name_and_number(name: str, number: int | None) -> tuple[str, int]:
     if number is None:
         if "@" not in name:
             raise UsageError(f"a step (or version) is needed: {name} STEP, or {name}@N")
-        name, number = parse_ref_text(name, "reference")
+        name, number = ref_argument(name, "reference")
     return name, number
 
 
 def split_ref(text: str) -> tuple[str, int | None]:
-    """'NAME' -> (NAME, None); 'NAME@V' -> (NAME, V)."""
-    if "@" not in text:
-        return check_artifact(text), None
-    name, version = parse_ref_text(text, "artifact reference")
-    return check_artifact(name), check_version(version)
+    """'NAME' -> (NAME, None); 'NAME@V' -> (NAME, V). A bad name or version (ds@0) is a usage error: exit 2."""
+    with usage_errors():
+        if "@" not in text:
+            return check_artifact(text), None
+        name, version = ref_argument(text, "artifact reference")
+        return check_artifact(name), check_version(version)
 
 
 @contextmanager
@@ -337,7 +340,8 @@ def lineage(
 ) -> None:
     """What NAME@V was made from, up the graph, and the checkpoints and artifact versions that used it."""
     r = open_repo(repo_location(repo))
-    lin = r.lineage(ref)
+    with usage_errors():  # what r.lineage refuses as invalid is the NAME@V typed (a@x): exit 2
+        lin = r.lineage(ref)
     if as_json:
         emit_json({"ref": lin.ref, "kind": lin.kind, "parents": lin.parents, "ancestors": lin.ancestors,
                    "edges": [list(e) for e in lin.edges], "used_by": lin.used_by, "missing": lin.missing})

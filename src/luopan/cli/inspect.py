@@ -12,7 +12,7 @@ from ..repo import Repo
 from ..checkpoint.export import diff_manifests
 from ..checkpoint.resumes import list_resumes
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
-from ..format.names import manifest_key, parse_ref_text
+from ..format.names import manifest_key
 from .artifact import KindOpt, is_artifact_target, log as artifact_log
 from .app import (
     JsonOpt,
@@ -30,6 +30,7 @@ from .app import (
     open_repo,
     out,
     ratio,
+    ref_argument,
     repo_location,
     report_strays,
     table,
@@ -282,7 +283,7 @@ def diff(
         if third is not None or "@" not in first or "@" not in second:
             raise UsageError("give two checkpoints of one run (luopan diff RUN STEP_A STEP_B) or two checkpoints "
                              "as RUN@STEP (luopan diff RUN_A@STEP RUN_B@STEP)")
-        (run_a, step_a), (run_b, step_b) = (parse_ref_text(x, "checkpoint (RUN@STEP)") for x in (first, second))
+        (run_a, step_a), (run_b, step_b) = (ref_argument(x, "checkpoint (RUN@STEP)") for x in (first, second))
     else:
         if third is None:
             raise UsageError("diff needs RUN STEP_A STEP_B, or RUN_A@STEP RUN_B@STEP")
