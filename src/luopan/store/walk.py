@@ -5,6 +5,12 @@ to another disk and linked back stays part of the repository). Every listing of 
 so listing, gc marking, verify, du, replication and prune all see the same keys. A directory already on the path
 (a symlink loop) is walked once; a FIFO, socket or device, a dangling link and a directory that cannot be read are
 yielded as strays with the reason, never opened.
+
+The search for temporary files (``temporaries=True``: cleanup at open and in gc, the doctor) follows a link to a
+directory only where luopan writes files (``KEY_DIRS``: a run or pack directory moved to another disk and linked
+back), and below a followed link enters only such directories: a temporary file lies beside the file it becomes, so a
+link planted anywhere else (``locks/x -> /``) costs one stat instead of a walk of whatever it points at, and a file
+there that merely looks like a temporary is never deleted. Real directories of the store itself are all searched.
 """
 
 from __future__ import annotations
@@ -35,11 +41,44 @@ def _readlink(path: str) -> str:
 
 MAX_DEPTH = 16  # path components below the root: luopan's deepest keys have 12 (refs/pins/_artifacts/<8 parts>/<v>.json)
 
+# The directories luopan writes files in (docs/format.md §2, §16, §17, §10.2), as patterns of path components: "*"
+# is one name, "+" one to eight (an artifact or index name). A directory is entered by the search for temporaries
+# only when it is, or can lead to, one of these.
+KEY_DIRS = (
+    "packs/*", "index", "locks", "gc", "runs/*/ckpt", "runs/*/evals",
+    "artifacts/+/_v", "journals/*/log", "journals/*/_v", "indexes/+/log", "indexes/+/_v",
+    "refs/runs/*", "refs/pins/*", "refs/pins/_artifacts/+", "refs/pins/_journals/*", "refs/pins/_indexes/+",
+    "refs/indexes/+", "refs/signatures/*/*",
+    "tier/*/*", "tier/*/_artifacts/+", "tier/*/_journals/*", "tier/*/_indexes/+",
+)
+_PATTERNS = tuple(tuple(p.split("/")) for p in KEY_DIRS)
+MAX_NAME_PARTS = 8
+
+
+def _leads_to(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    """Whether the directory ``parts`` is a directory of ``pattern`` or on the way to one."""
+    if not parts:
+        return True
+    if not pattern:
+        return False
+    head = pattern[0]
+    if head == "+":
+        return any(_leads_to(parts[n:], pattern[1:]) if n < len(parts) else True
+                   for n in range(1, MAX_NAME_PARTS + 1))
+    return (head == "*" or head == parts[0]) and _leads_to(parts[1:], pattern[1:])
+
+
+def may_hold_files(rel: str) -> bool:
+    """Whether luopan may write files in the directory ``rel`` (relative to the root, "" for the root) or below it."""
+    parts = tuple(rel.split("/")) if rel else ()
+    return any(_leads_to(parts, p) for p in _PATTERNS)
+
 
 def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tuple[str, Stray | None]]:
     """(key, None) for every regular file under ``prefix``, following symlinks; (relative path, Stray) for every
     entry that cannot be a key. With ``temporaries``, temporary files (regular files only) are yielded as absolute
-    paths too, for cleanup.
+    paths too, for cleanup — and a link to a directory, or a directory below one, is entered only where luopan
+    writes files (``may_hold_files``): what lies elsewhere is not walked (nor reported).
 
     Each directory is walked once: one reached again through a link below itself (a loop) is skipped, and one
     reached again through another link (two names for one directory) is a stray marked ``unreadable`` — which name
@@ -64,9 +103,9 @@ def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tup
     if not stat.S_ISDIR(st.st_mode):
         return
     first: dict[tuple[int, int], str] = {(st.st_dev, st.st_ino): rel}  # directory -> the path it was walked under
-    stack = [(base, rel, frozenset({(st.st_dev, st.st_ino)}))]
+    stack = [(base, rel, frozenset({(st.st_dev, st.st_ino)}), False)]  # the root (or prefix) asked for: not "linked"
     while stack:
-        d, drel, ancestors = stack.pop()
+        d, drel, ancestors, linked = stack.pop()  # linked: reached through a symbolic link
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)  # a stable walk: the same alias is first each time
         except ABSENT:
@@ -104,9 +143,11 @@ def walk(root: str, prefix: str = "", temporaries: bool = False) -> Iterator[tup
                                                   "directory: remove one link)", unreadable=True)
                 elif krel.count("/") >= MAX_DEPTH:
                     yield krel, Stray(krel + "/", f"nested deeper than {MAX_DEPTH} directories")
+                elif temporaries and (linked or e.is_symlink()) and not may_hold_files(krel):
+                    continue  # a link to where luopan writes nothing: no temporary file of its can be there
                 else:
                     first[ident] = krel
-                    stack.append((e.path, krel, ancestors | {ident}))
+                    stack.append((e.path, krel, ancestors | {ident}, linked or e.is_symlink()))
             elif TMP_MARK in e.name:  # a temporary file (docs/format.md §2): never a key
                 if temporaries and (est is None or stat.S_ISREG(est.st_mode)):
                     yield e.path, None
