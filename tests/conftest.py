@@ -30,3 +30,13 @@ def child_env():
 
 
 PYTHON = sys.executable
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many power-loss crash states (tests/powerloss.py) this run checked, and over how many operations."""
+    from .powerloss import TOTAL, STATES_PER_OPERATION
+
+    if TOTAL["operations"]:
+        terminalreporter.write_line(
+            f"power-loss simulator: {TOTAL['states']} crash states checked over {TOTAL['operations']} recorded "
+            f"operations (at most {STATES_PER_OPERATION} each; LUOPAN_POWERLOSS_STATES raises it)")
