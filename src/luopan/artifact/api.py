@@ -27,7 +27,7 @@ from ..repository.pins import add_pin, read_pins, remove_pin
 from ..repository.preflight import fits, refuse
 from ..repository.pruning import prune_series
 from ..retention import Plan, Rules
-from ..store.base import KeyNotFound
+from ..store.base import KeyNotFound, retract
 from ..repository.verify import raise_problems, verify_manifests
 from ..units import format_bytes
 from .checkout import VerifiedReader, checkout, file_refs
@@ -165,7 +165,12 @@ class Artifact:
                                  f"than readers accept ({format_bytes(MAX_MANIFEST_BYTES)}): split it into several "
                                  "artifacts")
             key = artifact_manifest_key(self.name, version)
-            if store.put_if_absent(key, data):
+            try:
+                placed = store.put_if_absent(key, data)
+            except OSError:
+                retract(store, key, data)  # a commit that fails leaves no version behind (store.base.retract)
+                raise
+            if placed:
                 return version, key
             version += 1  # another writer committed this version meanwhile
         raise CheckpointExistsError(f"artifact {self.name!r}: {COMMIT_ATTEMPTS} versions were committed by others "

@@ -12,7 +12,7 @@ from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import seal_manifest
 from ..format.names import latest_ref_key, manifest_key
 from ..format.refs import build_ref
-from ..store.base import Store
+from ..store.base import Store, retract
 
 
 def commit_manifest(store: Store, run: str, step: int, overwrite: bool, doc: dict[str, Any],
@@ -38,7 +38,7 @@ def commit_manifest(store: Store, run: str, step: int, overwrite: bool, doc: dic
         # The manifest may be visible but not durable (e.g. the directory fsync failed). A save that raises must
         # not leave a checkpoint behind, so take ours back (best effort) before reporting the failure.
         if not overwrite:
-            _retract(store, mkey, data)
+            retract(store, mkey, data)
         raise
     # The checkpoint is committed now. The ref is advisory (docs/format.md §9): failing to update it must not
     # report the save as failed, or a caller would retry a step that already exists.
@@ -48,11 +48,3 @@ def commit_manifest(store: Store, run: str, step: int, overwrite: bool, doc: dic
         warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
                       f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=5)
     return mkey
-
-
-def _retract(store: Store, key: str, data: bytes) -> None:
-    try:
-        if store.get(key) == data:
-            store.delete(key)
-    except OSError:
-        pass

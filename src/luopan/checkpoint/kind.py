@@ -13,6 +13,7 @@ from ..format.refs import build_ref, parse_ref
 from ..repository.chunkio import blob_reader
 from ..repository.kinds import Catalog, Kind
 from ..store.base import KeyNotFound, Store
+from ..store.tempfiles import cleanup_failed
 from . import catalog
 
 
@@ -38,8 +39,10 @@ def _rewritten(store: Store, run: str, step: int, data: bytes) -> None:
     if ref.get("manifest") == manifest_key(run, step):
         try:
             store.put(ref_key, build_ref(run, step, sealed_checksum(data)))
-        except OSError:
-            pass
+        except OSError as exc:  # the rewritten manifest is committed: a stale ref is ignored, the next save repairs it
+            cleanup_failed(f"the manifest of run {run!r} step {step} was rewritten, but its latest ref {ref_key} "
+                           f"in {store.describe()} could not be updated ({exc}); readers ignore a stale ref and the "
+                           "next save repairs it")
 
 
 CHECKPOINTS = Kind(

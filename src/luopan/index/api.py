@@ -38,7 +38,7 @@ from ..repository.pins import add_pin, read_pins, remove_pin
 from ..repository.preflight import refuse
 from ..repository.verify import raise_problems, verify_manifests
 from ..retention import Checkpoint, KeepLast, parse_time, plan
-from ..store.base import KeyNotFound
+from ..store.base import KeyNotFound, retract
 from .extents import write_arrays
 from .ivf import arrays as ivf_arrays
 from .ivf import plan_segments
@@ -275,7 +275,13 @@ class IndexStore:
             data = seal_index_manifest(doc)
             if len(data) > MAX_MANIFEST_BYTES:
                 raise UsageError(f"the manifest of index {self.name!r} would exceed {MAX_MANIFEST_BYTES} bytes")
-            if store.put_if_absent(index_manifest_key(self.name, version), data):
+            key = index_manifest_key(self.name, version)
+            try:
+                placed = store.put_if_absent(key, data)
+            except OSError:
+                retract(store, key, data)  # a snapshot that fails leaves no version behind (store.base.retract)
+                raise
+            if placed:
                 self.last_manifest_checksum = sealed_checksum(data)
                 return version
             version += 1

@@ -20,7 +20,7 @@ from ..repository.chunkstore import store_chunks
 from ..repository.core import RepositoryCore
 from ..repository.locks import locked
 from ..repository.preflight import refuse
-from ..store.base import KeyNotFound
+from ..store.base import KeyNotFound, retract
 from ..units import format_bytes
 from .kind import JOURNAL_KIND
 from .manifest import JOURNAL_FORMAT_VERSION, parse_snapshot_manifest, seal_snapshot_manifest
@@ -122,7 +122,11 @@ def store_snapshot(repo: RepositoryCore, name: str, seq: int, value: Any, metada
         if len(blob) > MAX_MANIFEST_BYTES:
             raise UsageError(f"the manifest of this snapshot would be {format_bytes(len(blob))}, more than readers "
                              f"accept ({format_bytes(MAX_MANIFEST_BYTES)})")
-        committed = repo.store.put_if_absent(key, blob)
+        try:
+            committed = repo.store.put_if_absent(key, blob)
+        except OSError:
+            retract(repo.store, key, blob)  # else a retry would find it and drop segments it may not stand for
+            raise
     if committed:
         if repo.tier is not None:  # a tiered repository replicates the snapshot like any manifest (§10.2)
             repo.tier.committed(JOURNAL_KIND, name, seq)

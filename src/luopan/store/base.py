@@ -80,6 +80,18 @@ def as_parts(data: Data) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in data]
 
 
+def retract(store: Store, key: str, data: bytes) -> None:
+    """Delete the manifest ``key`` if it holds ``data`` (best effort). After its ``put_if_absent`` raised, the name
+    may be visible though not durable (the directory sync failed): an operation that reports failure must not leave
+    it behind, or a retry would commit a second version, or trust one a power loss can take back. Never for
+    content-addressed keys (packs, index files): another writer may be using the same one."""
+    try:
+        if store.get(key) == data:
+            store.delete(key)
+    except OSError:
+        pass
+
+
 class Store(abc.ABC):
     """Abstract key/value store. See the module docstring for the contracts."""
 

@@ -67,7 +67,8 @@ class LocalStore(Store):
             return StorageError(exc.errno, f"permission denied: cannot {op} {key} in {self.root}: this user may not "
                                 f"{need} it; check the owner and mode of the repository's files and directories")
         return StorageError(exc.errno or errno.EIO, f"cannot {op} {key} in {self.root}: "
-                            f"{exc.strerror or exc}")
+                            f"{exc.strerror or exc}; check the disk (the system log names the device's errors), "
+                            "then try again")
 
     def _open_regular(self, key: str) -> int:
         """An fd open for reading on ``key``, which must be a regular file (followed through symlinks). Anything
@@ -160,9 +161,22 @@ class LocalStore(Store):
             return StorageFullError(
                 exc.errno,
                 f"no space left on {self.root!r} while writing {os.path.relpath(path, self.root)}: the write was not "
-                "committed; free space (e.g. delete old checkpoints) and save again",
+                "committed; free space (e.g. delete old checkpoints, then run gc) and try again",
             )
         return exc
+
+    def _sync_placed(self, path: str, key: str) -> None:
+        """Sync the directory of ``key``, just renamed or linked into place: on failure the new name is visible but
+        may not survive a power loss, which the error says (a typed error naming the key; try again)."""
+        try:
+            _fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            full = exc.errno in _FULL_ERRNOS
+            cls = StorageFullError if full else StorageError
+            raise cls(exc.errno or errno.EIO, f"{key} was written in {self.root}, but syncing its directory failed "
+                      f"({exc.strerror or exc}): it may not survive a power loss; "
+                      + ("free space (e.g. delete old checkpoints, then run gc) and try again" if full else
+                         "check the disk (the system log names the device's errors), then try again")) from None
 
     def _close_after(self, fd: int, key: str, doing: str) -> None:
         """Close ``fd`` once ``key``'s read or write is done: an error now changes nothing (a write's bytes were
@@ -254,7 +268,7 @@ class LocalStore(Store):
                 raise
             self._close_after(fd, key, "writing")  # written and synced: a close error changes nothing on disk
             crashpoint(f"{kind}.renamed")
-            _fsync_dir(os.path.dirname(path))
+            self._sync_placed(path, key)
             crashpoint(f"{kind}.dirsynced")
 
     def put_if_absent(self, key: str, data: Data) -> bool:
@@ -279,7 +293,7 @@ class LocalStore(Store):
             self._close_after(fd, key, "writing")
             if not linked:
                 return False
-            _fsync_dir(os.path.dirname(path))
+            self._sync_placed(path, key)
             crashpoint(f"{kind}.dirsynced")
             return True
 
