@@ -1,6 +1,8 @@
 """Small files outside the repository replaced atomically: a temporary file in the same directory, fsync, rename,
-fsync of the directory. Failures are luopan errors naming the file (StorageFullError on a full disk, OutputPathError
-otherwise). Used for channel files, Lightning pointers, adapter configs and public keys."""
+fsync of the directory. Failures are luopan errors naming the file and what to do (``write_error``: StorageFullError
+on a full disk, OutputPathError when the path is the problem, StorageError for an I/O error). Used for channel files,
+Lightning pointers, adapter configs and public keys; ``write_error`` for every file luopan writes outside a
+repository (exports, patch outputs, checkouts)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import os
 import secrets
 from collections.abc import Callable
 
-from .errors import LuopanError, OutputPathError, StorageFullError
+from .errors import LuopanError, OutputPathError, StorageError, StorageFullError
+
+# errors that are about the path itself (where it is, who may write there): the caller chose a bad output
+PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                          errno.EEXIST, errno.ELOOP, errno.ENAMETOOLONG, errno.EXDEV})
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -33,10 +39,10 @@ def replace_atomic(path: str | os.PathLike[str], fill: Callable[[int], None]) ->
         finally:
             os.close(fd)
         os.replace(tmp, where)
-        fsync_dir(os.path.dirname(os.path.abspath(where)))
     except BaseException as exc:
         _unlink(tmp)
-        raise write_error(exc, where) from None
+        raise write_error(exc, where, "it is unchanged") from None
+    sync_placed(where)
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
@@ -49,13 +55,37 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     replace_atomic(path, fill)
 
 
-def write_error(exc: BaseException, path: str) -> BaseException:
-    """A luopan error for a failure writing ``path`` (other exceptions pass through)."""
+def sync_placed(path: str | os.PathLike[str]) -> None:
+    """Sync the directory of ``path``, a file just renamed into place; a failure is ``write_error(placed=True)``."""
+    try:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        raise write_error(exc, os.fspath(path), placed=True) from None
+
+
+def write_error(exc: BaseException, path: str, outcome: str = "", *, placed: bool = False) -> BaseException:
+    """A luopan error for a failure writing ``path``, a file outside any repository (other exceptions pass through):
+    StorageFullError on a full disk or quota, OutputPathError when the path itself is the problem (a missing
+    directory, permissions, a read-only file system…), StorageError for an I/O error; each names the file and, but
+    for a bad path, what to do. ``outcome`` says what became of the file (e.g. "nothing was written"). ``placed``:
+    the file was renamed into place and only the sync of its directory failed, so it may not survive a power loss."""
     if isinstance(exc, LuopanError) or not isinstance(exc, OSError):
         return exc
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFullError(exc.errno, f"no space left while writing {path}")
-    return OutputPathError(exc.errno or errno.EIO, f"cannot write {path}: {exc.strerror or exc}")
+    code = exc.errno or errno.EIO
+    why = exc.strerror or str(exc)
+    full = code in (errno.ENOSPC, errno.EDQUOT)
+    fix = ("free space on its disk (or raise the quota), then try again" if full else
+           "check the disk (the system log names the device's errors), then try again")
+    if placed:
+        return (StorageFullError if full else StorageError)(
+            code, f"{path} was written, but syncing its directory failed ({why}): it may not survive a power loss; "
+            f"{fix}")
+    done = f": {outcome}" if outcome else ""
+    if full:
+        return StorageFullError(code, f"no space left while writing {path}{done}; {fix}")
+    if code in PATH_ERRNOS:
+        return OutputPathError(code, f"cannot write {path}: {why}" + (f"; {outcome}" if outcome else ""))
+    return StorageError(code, f"I/O error writing {path} ({why}){done}; {fix}")
 
 
 def _unlink(path: str) -> None:

@@ -17,7 +17,8 @@ from typing import Any
 
 from .._crash import crashpoint
 from .._process import pid_alive
-from ..errors import ArgumentTypeError, LuopanError, OutputPathError, StorageFullError
+from .._files import write_error
+from ..errors import ArgumentTypeError, LuopanError, OutputPathError
 from ..format.manifest import Row
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
 from ..repository.parallel import WORKERS, ordered_map
@@ -37,10 +38,8 @@ def file_refs(owner: str, doc: dict[str, Any], entry: dict[str, Any]) -> list[Ch
             for n, r in enumerate(map(Row._make, entry["chunks"]))]
 
 
-def _output_error(exc: OSError, path: str) -> OSError:
-    if exc.errno in (28, 122):  # ENOSPC, EDQUOT
-        return StorageFullError(exc.errno, f"no space left while writing {path}: the checkout was removed")
-    return OutputPathError(exc.errno or 5, f"cannot write {path}: {exc.strerror or exc}; the checkout was removed")
+def _output_error(exc: OSError, path: str) -> BaseException:
+    return write_error(exc, path, "the checkout was removed")
 
 
 def check_destination(dest: object) -> str:

@@ -223,7 +223,10 @@ def download(source: Source, ref: FileRef, partial: Partial | str, *, retries: i
                     raise
                 time.sleep(min(backoff * 2**attempt, 30.0))
                 attempt += 1
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:  # kept: a rerun hashes what is on disk again, so a bad page is caught, not trusted
+            raise write_error(exc, path, "the bytes downloaded are kept, and a rerun resumes") from None
     except CorruptDownloadError as exc:
         partial.remove()
         raise CorruptDownloadError(f"{exc}; the partial file was deleted (run the pull again to download it anew "
@@ -265,4 +268,4 @@ def _write_all(fd: int, data: bytes, offset: int, path: str) -> None:
             n = os.pwrite(fd, view, offset)
             view, offset = view[n:], offset + n
     except OSError as exc:
-        raise write_error(exc, path) from None
+        raise write_error(exc, path, "the bytes downloaded before are kept, and a rerun resumes") from None

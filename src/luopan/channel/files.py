@@ -17,8 +17,16 @@ from contextlib import contextmanager
 
 import blake3
 
-from .._files import _unlink, fsync_dir, replace_atomic, write_atomic, write_error  # noqa: F401  (this module's API)
-from ..errors import IntegrityError, LockedError, UsageError
+from .._files import (  # noqa: F401  (this module's API)
+    PATH_ERRNOS,
+    _unlink,
+    fsync_dir,
+    replace_atomic,
+    sync_placed,
+    write_atomic,
+    write_error,
+)
+from ..errors import IntegrityError, LockedError, StorageError, StorageFullError, UsageError
 
 LOCK_NAME = ".publish.lock"
 
@@ -46,9 +54,9 @@ def move_into_place(src: str, dst: str) -> None:
     """Rename the finished (fsynced) file ``src`` to ``dst`` in the same directory, durably."""
     try:
         os.replace(src, dst)
-        fsync_dir(os.path.dirname(os.path.abspath(dst)))
     except OSError as exc:
-        raise write_error(exc, dst) from None
+        raise write_error(exc, dst, "it is unchanged") from None
+    sync_placed(dst)
 
 
 def fsync_file(path: str) -> None:
@@ -137,14 +145,21 @@ class Scratch:
             raise self._swapped(name, "it is not a regular file of ours with one link")
         return fd
 
+    def sync(self, fd: int, name: str) -> None:
+        """fsync the scratch file ``name``, open at ``fd``; a failure is a luopan error naming it."""
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise write_error(exc, self.file(name), "nothing was published") from None
+
     def move(self, name: str, dst: str) -> None:
         """Rename the finished, fsynced scratch file ``name`` (the entry in this very directory) to ``dst``,
         durably."""
         try:
             os.replace(name, dst, src_dir_fd=self.fd)
-            fsync_dir(os.path.dirname(os.path.abspath(dst)))
         except OSError as exc:
-            raise write_error(exc, dst) from None
+            raise write_error(exc, dst, "it is unchanged") from None
+        sync_placed(dst)
 
     def remove(self) -> None:
         """Delete the directory and everything in it, following no link."""
@@ -179,20 +194,23 @@ def make_scratch(candidates: list[tuple[str, str]], device: int) -> Scratch:
     """A fresh Scratch in the first usable ``(parent, container)`` of ``candidates``: ``container`` (created mode
     0700 when missing) must be a directory of ours on file system ``device`` — opened without following a link —
     and only we may write in it; its leftovers (of publishes that were interrupted) are removed, then a directory of
-    a fresh random name is made inside. UsageError naming each refusal when none is usable."""
-    refused = []
+    a fresh random name is made inside. When none is usable: UsageError naming each refusal, or, when the disk
+    refused every one (full: StorageFullError; an I/O error: StorageError), that error."""
+    refused, codes = [], []
     for parent, container in candidates:
         where = os.path.join(parent, container)
         try:
             pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             refused.append(f"{parent}: {exc.strerror or exc}")
+            codes.append(exc.errno)
             continue
         try:
             cfd = _open_container(pfd, container, where, device)
         except OSError as exc:
             os.close(pfd)
             refused.append(f"{where}: {exc.strerror or exc}")
+            codes.append(exc.errno)
             continue
         try:
             empty_dir(cfd)
@@ -203,12 +221,18 @@ def make_scratch(candidates: list[tuple[str, str]], device: int) -> Scratch:
             os.close(cfd)
             os.close(pfd)
             refused.append(f"{where}: {exc.strerror or exc}")
+            codes.append(exc.errno)
             continue
         os.close(pfd)
         return Scratch(cfd, where, name, fd)
-    raise UsageError("publish found no private scratch directory it could use: " + "; ".join(refused)
-                     + ". Remove what is in the way (a link or a directory of another user), or make the channel's "
-                     "parent directory writable by you")
+    found = "publish found no private scratch directory it could use: " + "; ".join(refused)
+    if codes and all(c in (errno.ENOSPC, errno.EDQUOT) for c in codes):
+        raise StorageFullError(codes[0], f"{found}. Free space on that disk (or raise the quota), then publish again")
+    if codes and not any(c in PATH_ERRNOS or c is None for c in codes):  # the disk failed, not the paths
+        raise StorageError(codes[0], f"{found}. Check the disk (the system log names the device's errors), then "
+                           "publish again")
+    raise UsageError(f"{found}. Remove what is in the way (a link or a directory of another user), or make the "
+                     "channel's parent directory writable by you")
 
 
 def _open_container(pfd: int, container: str, where: str, device: int) -> int:

@@ -42,6 +42,7 @@ from ..patch.basefile import hash_file
 from ..repo import Repo
 from ..repo import open as open_repo
 from ..signing import SigningKey, TrustedKeys, load_signing_key
+from ..store.tempfiles import cleanup_failed
 from ..units import parse_duration
 from .files import Scratch, fd_blake3, make_scratch, publish_lock, real_dir, write_atomic
 from .index import (
@@ -143,7 +144,7 @@ def publish(
                 try:
                     same = fd_blake3(fd) == (listed.size, listed.blake3)
                     if same:  # the very bytes: put them in place again
-                        os.fsync(fd)
+                        scratch.sync(fd, FULL_TMP)
                 finally:
                     os.close(fd)
                 if same:
@@ -314,7 +315,7 @@ def _place(scratch: Scratch, tmp: str, root: str, folder: str, stem: str, suffix
     fd = scratch.open_written(tmp)
     try:
         size, digest = fd_blake3(fd)
-        os.fsync(fd)
+        scratch.sync(fd, tmp)
     finally:
         os.close(fd)
     name = f"{folder}/{stem}-{digest[:16]}{suffix}"
@@ -342,6 +343,9 @@ def _remove_unlisted(root: str, index: ChannelIndex, prev: ChannelIndex | None) 
             if gone:
                 os.fsync(dfd)
             removed += gone
+        except OSError as exc:  # the new index is published: what is left is removed by the next publish
+            cleanup_failed(f"the channel {root} is published, but removing files no index names from {d} failed "
+                           f"({exc.strerror or exc}); the next publish removes them")
         finally:
             os.close(dfd)
     return removed

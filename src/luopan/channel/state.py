@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..errors import ChannelStateError, LuopanError
+from ..errors import ChannelStateError, LuopanError, StorageError
 from ..format.canonical import SealError, seal, unseal
 from ..format.names import MAX_STEP, is_hex64, is_run_name
 from .files import write_atomic
@@ -87,9 +87,12 @@ def parse_state(data: bytes) -> DeviceState:
 
 
 def write_state(path: str | os.PathLike[str], state: DeviceState) -> None:
-    """Replace the state file atomically (durable on return)."""
+    """Replace the state file atomically (durable on return). A full disk or an I/O error is a StorageError
+    (StorageFullError) naming the file; any other failure a ChannelStateError."""
     try:
         write_atomic(path, state.to_bytes())
+    except StorageError:
+        raise  # a full disk or an I/O error: it names the file and what to do (the file is not damaged)
     except (LuopanError, OSError) as exc:
         raise ChannelStateError(f"cannot write the channel state file {os.fspath(path)}: {exc}") from None
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, LuopanError, OutputPathError, StorageFullError, UnsupportedValueError
+from .._files import sync_placed, write_error
+from ..errors import CheckpointNotFoundError, LuopanError, OutputPathError, UnsupportedValueError
 from ..format.manifest import Manifest, Row, rows_of
 from ..store.base import Store
 from ..repository.parallel import WORKERS, ordered_map
@@ -132,11 +133,7 @@ def export_safetensors(
         if isinstance(exc, OSError) and not isinstance(exc, LuopanError):
             raise _output_error(exc, out_path) from None
         raise
-    dfd = os.open(os.path.dirname(os.path.abspath(out_path)), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    sync_placed(out_path)
     return {"path": out_path, "tensors": len(selected), "bytes": 8 + len(head) + offset}
 
 
@@ -153,10 +150,8 @@ def check_output_path(path: str | os.PathLike[str]) -> str:
     return out
 
 
-def _output_error(exc: OSError, path: str) -> OSError:
-    if exc.errno in (28, 122):  # ENOSPC, EDQUOT
-        return StorageFullError(exc.errno, f"no space left while writing {path}: nothing was written")
-    return OutputPathError(exc.errno or 5, f"cannot write {path}: {exc.strerror or exc}; nothing was written")
+def _output_error(exc: OSError, path: str) -> BaseException:
+    return write_error(exc, path, "nothing was written")
 
 
 def diff_manifests(a: Manifest, b: Manifest) -> dict[str, Any]:

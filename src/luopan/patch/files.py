@@ -11,8 +11,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._files import sync_placed, write_error
 from ..checkpoint.export import check_output_path
-from ..errors import LuopanError, OutputPathError, StorageFullError
+from ..errors import StorageFullError
 from ..repository.parallel import WORKERS
 from ..units import format_bytes
 
@@ -97,12 +98,12 @@ class AtomicOutput:
             except BaseException as failed:
                 self._discard()
                 raise output_error(failed, self.path) from None
-            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            sync_placed(self.path)
             return
         self._discard()
 
     def write(self, data: Any, offset: int) -> None:
-        """Write all of ``data`` at ``offset`` (any thread); a failure is a StorageFullError or OutputPathError."""
+        """Write all of ``data`` at ``offset`` (any thread); a failure is a luopan error (output_error)."""
         view = memoryview(data).cast("B")
         done = 0
         try:
@@ -143,21 +144,10 @@ class AtomicOutput:
             pass
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def output_error(exc: BaseException, path: str) -> BaseException:
-    """A luopan error for a failure writing ``path`` (other exceptions pass through)."""
-    if isinstance(exc, LuopanError) or not isinstance(exc, OSError):
-        return exc
-    if exc.errno in (28, 122):  # ENOSPC, EDQUOT
-        return StorageFullError(exc.errno, f"no space left while writing {path}: nothing was written")
-    return OutputPathError(exc.errno or 5, f"cannot write {path}: {exc.strerror or exc}; nothing was written")
+    """A luopan error for a failure writing the output ``path`` before it was renamed into place (other exceptions
+    pass through): luopan._files.write_error."""
+    return write_error(exc, path, "nothing was written")
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
