@@ -208,6 +208,17 @@ class CollectiveError(LuopanError, RuntimeError):
     names it); nothing was committed."""
 
 
+class CollectiveStorageError(StorageError, CollectiveError):
+    """A collective save failed because the store failed on some rank (an I/O error): raised on every rank, the
+    ranks' StorageError (``errno`` the system's) as well as a CollectiveError; the message names the rank, the file
+    and what to do. Nothing was committed."""
+
+
+class CollectiveStorageFullError(StorageFullError, CollectiveStorageError):
+    """A collective save failed because a rank's store ran out of space (or quota): raised on every rank, so that
+    all of them can free space and save again together. Nothing was committed."""
+
+
 class GcError(LuopanError, RuntimeError):
     """Garbage collection cannot run safely (e.g. a damaged manifest: gc cannot tell what that checkpoint needs)."""
 

@@ -24,7 +24,15 @@ from typing import Any
 import xxhash
 
 from .. import typed
-from ..errors import CheckpointNotFoundError, CollectiveError, UsageError
+from ..errors import (
+    CheckpointNotFoundError,
+    CollectiveError,
+    CollectiveStorageError,
+    CollectiveStorageFullError,
+    StorageError,
+    StorageFullError,
+    UsageError,
+)
 from ..format.canonical import canonical
 from ..format.names import check_run, check_step, join_path, manifest_key
 from ..tree import flatten
@@ -148,7 +156,9 @@ def _ranks(rs: list[int]) -> str:
 
 def _agree(dist: Any, group: Any, ok: bool, detail: Any, committing: bool = False,
            what: str = "a collective save") -> list[Any]:
-    """All ranks' (ok, detail); CollectiveError on every rank when any failed."""
+    """All ranks' (ok, detail); CollectiveError on every rank when any failed (a failure's detail is ``_failure``'s):
+    CollectiveStorageFullError when every failed rank ran out of space, CollectiveStorageError when each met a
+    store's failure, so every rank can handle it alike."""
     world = dist.get_world_size(group)
     out: list[Any] = [None] * world
     saving = what == "a collective save"
@@ -161,9 +171,23 @@ def _agree(dist: Any, group: Any, ok: bool, detail: Any, committing: bool = Fals
                               f"{str(exc)[:300]}); {outcome}") from None
     failed = [(r, d) for r, (o, d) in enumerate(out) if not o]
     if failed:
-        shown = "; ".join(f"rank {r}: {d}" for r, d in failed[:4])
-        raise CollectiveError(f"{what} failed ({shown}); {'nothing was committed' if saving else 'nothing was loaded'}")
+        shown = "; ".join(f"rank {r}: {d[0]}" for r, d in failed[:4])
+        message = f"{what} failed ({shown}); {'nothing was committed' if saving else 'nothing was loaded'}"
+        kinds = {d[1] for _r, d in failed}
+        code = failed[0][1][2]
+        if kinds == {"full"}:  # every rank meets the same typed error: all free space and save again together
+            raise CollectiveStorageFullError(code, message)
+        if None not in kinds:
+            raise CollectiveStorageError(next(d[2] for _r, d in failed if d[1] == "storage") or code, message)
+        raise CollectiveError(message)
     return [d for _o, d in out]
+
+
+def _failure(exc: Exception) -> tuple[str, str | None, int | None]:
+    """What a rank reports of its failure: the text, whether it is a store's failure ("full", "storage" or None),
+    and its errno."""
+    kind = "full" if isinstance(exc, StorageFullError) else "storage" if isinstance(exc, StorageError) else None
+    return f"{type(exc).__name__}: {exc}", kind, exc.errno if kind else None
 
 
 def _save_collective(repo: Collective, run: str, step: int, state: Any, group: Any, *,
@@ -188,7 +212,7 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
         shape = canonical(skeleton).decode()
         ok, detail = True, (("save", repr(run), str(step), bool(overwrite)), (mine, shape))
     except Exception as exc:  # noqa: BLE001 - reported to every rank
-        ok, detail = False, f"{type(exc).__name__}: {exc}"
+        ok, detail = False, _failure(exc)
     everyone = _agree(dist, group, ok, detail)  # the one round trip that also checks the ranks agree
     _refuse_disagreement("a collective save", [h for h, _r in everyone], "nothing was committed")
     reports = [r for _h, r in everyone]
@@ -226,7 +250,7 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
         stored = repo.store_entries(own) if own else None
         ok, detail = True, (stored.entries if stored else [], stored.written if stored else {})
     except Exception as exc:  # noqa: BLE001
-        ok, detail = False, f"{type(exc).__name__}: {exc}"
+        ok, detail = False, _failure(exc)
     parts = _agree(dist, group, ok, detail)
     # 3. rank 0 commits, then every rank learns the outcome
     info: CheckpointInfo | None = None
@@ -251,7 +275,7 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                                        extra={"ranks": member} if member else None)
         ok, detail = True, None
     except Exception as exc:  # noqa: BLE001
-        ok, detail = False, f"{type(exc).__name__}: {exc}"
+        ok, detail = False, _failure(exc)
     _agree(dist, group, ok, detail, committing=True)
     return info if info is not None else CheckpointInfo.from_manifest(repo.manifest(run, step),
                                                                       manifest_key(run, step))
