@@ -61,7 +61,7 @@ def make_dirs(path: str) -> None:
         _sync_dir(os.path.dirname(d))
 
 
-_REOPEN = "the log refuses appends until it is reopened: fix the cause, then reopen it"
+_REOPEN = "the log refuses appends until it is reopened: {remedy}, then reopen it"
 
 
 def check_options(fsync: str, batch_records: int, batch_ms: float, segment_bytes: int) -> None:
@@ -101,8 +101,8 @@ class Log:
             try:
                 make_dirs(self.directory)
             except OSError as exc:
-                raise io_error(exc, self.directory, "creating the log directory", "check the path and its "
-                               "permissions") from None
+                raise io_error(exc, self.directory, "creating the log directory", "{remedy}, then open the log "
+                               "again") from None
             self._take_lock()
         try:
             self.segments, self.recovered = scan_directory(self.directory, cut=not read_only)
@@ -123,7 +123,7 @@ class Log:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise io_error(exc, path, "opening", "check the directory's permissions") from None
+            raise io_error(exc, path, "opening", "{remedy}, then open it again") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -148,7 +148,7 @@ class Log:
             self._marked = read_sync_mark(self.directory)
             self._mark_fd = os.open(mark, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise io_error(exc, mark, "opening", "check the directory's permissions") from None
+            raise io_error(exc, mark, "opening", "{remedy}, then open it again") from None
         if not self.segments:
             self._new_segment(self._next)
             return
@@ -158,7 +158,7 @@ class Log:
             _sync(self._fd, tail.path)
             _sync_dir(self.directory)
         except OSError as exc:
-            raise io_error(exc, tail.path, "syncing the tail of", "check the disk, then open the log again") from None
+            raise io_error(exc, tail.path, "syncing the tail of", "{remedy}, then open the log again") from None
         if self._marked > self._next:  # the log was cut back by hand: lower the mark, durably
             self._put_mark(self._next, sync=True)
         self._put_mark(self._next)
@@ -173,7 +173,7 @@ class Log:
                 os.fsync(self._mark_fd)
         except OSError as exc:
             if sync:  # a higher mark than the log's end could come back: refuse to vouch for anything
-                raise io_error(exc, path, "lowering the sync mark in", "check the disk, then open the log again") \
+                raise io_error(exc, path, "lowering the sync mark in", "{remedy}, then open the log again") \
                     from None
             return  # the mark is only evidence: a stale one is still true
         self._marked = durable
@@ -385,13 +385,13 @@ class Log:
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
-                    raise io_error(exc, seg.path, "deleting", "check the disk; compacting again deletes it") from None
+                    raise io_error(exc, seg.path, "deleting", "{remedy}; compacting again deletes it") from None
                 self.segments.pop(0)
                 freed += seg.size
                 try:
                     _sync_dir(self.directory)
                 except OSError as exc:
-                    raise io_error(exc, self.directory, "syncing", "check the disk; compacting again goes on") \
+                    raise io_error(exc, self.directory, "syncing", "{remedy}; compacting again goes on") \
                         from None
         return freed
 

@@ -51,17 +51,21 @@ def _put_mark(fd: int, data: bytes, path: str) -> None:
 def io_error(exc: OSError, path: str, doing: str, fix: str | None = None) -> StorageError:
     """A luopan error for an OSError met while ``doing`` something to ``path`` of a log: StorageFullError on a full
     disk or quota, StorageError otherwise, naming the file, the system's reason and ``fix`` (by default: the log is
-    as it was before the call, so free space or check the disk and try again)."""
+    as it was before the call, so free space or check the disk and try again). ``{remedy}`` in ``fix`` becomes what
+    the errno calls for: free space, check the permissions, or check the disk."""
     if isinstance(exc, StorageError):
         return exc
     code = exc.errno or errno.EIO
     why = exc.strerror or str(exc)
     full = code in (errno.ENOSPC, errno.EDQUOT)
+    remedy = ("free space (or raise the quota)" if full else
+              "check the permissions of the path" if code in (errno.EACCES, errno.EPERM, errno.EROFS) else
+              "check the disk (the system log names the device's errors)")
     if fix is None:
-        fix = ("the log is as it was before this call: " +
-               ("free space (or raise the quota), then append again" if full else "check the disk, then try again"))
+        fix = "the log is as it was before this call: {remedy}, then " + ("append again" if full else "try again")
     cls = StorageFullError if full else StorageError
-    err = cls(code, f"{'no space left' if full else 'I/O error'} {doing} {path} ({why}): {fix}")
+    err = cls(code, f"{'no space left' if full else 'I/O error'} {doing} {path} ({why}): "
+              + fix.replace("{remedy}", remedy))
     return err
 
 
