@@ -18,8 +18,8 @@ to the test's check with the acknowledgements (``Recorder.ack``) made before tha
 checked once. ``STATES_PER_OPERATION`` (env ``LUOPAN_POWERLOSS_STATES``, 200 by default) bounds the states
 checked per operation; ``make test-slow`` raises it. ``TOTAL`` counts the states checked in this process.
 
-``Faults(world, call, n, errno)`` fails the ``n``-th ``write``, ``fsync``, ``rename`` or ``mkdir`` call under
-``world`` with that errno (a write that fails with ENOSPC/EDQUOT writes half its bytes first, as a full disk does).
+Fault injection (failing the ``n``-th ``write``, ``fsync``, ``rename`` or ``mkdir`` call under a directory with EIO,
+ENOSPC or EDQUOT) is ``Faults`` in tests/faults.py, built on this module's ``_Hooks`` and ``_Paths``.
 """
 
 from __future__ import annotations
