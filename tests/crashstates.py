@@ -148,8 +148,9 @@ def _mixed(f: _File, how: str, rng: random.Random) -> bytes:
     out = bytearray(size)
     for start in range(0, size, PAGE):
         page_d, page_c = d[start:start + PAGE], c[start:start + PAGE]
-        if how == "zeros":
-            page = page_d if page_d == page_c else b""
+        if how == "zeros":  # what changed since the sync reads as zeros; what the sync covered stays intact
+            page = page_d if page_d == page_c else bytes(
+                x if i < len(page_d) and page_d[i] == x else 0 for i, x in enumerate(page_c))
         else:
             page = rng.choice((page_d, page_c))
         page = page[: size - start]
