@@ -98,7 +98,9 @@ def test_errors_for_missing_repo_and_bad_names(tmp_path):
     assert r.exit_code == 4 and "no luopan repository" in r.output
     luopan.open(tmp_path / "r")
     r = cli("show", "-r", str(tmp_path / "r"), "../etc", "1")
-    assert r.exit_code == 1 and "invalid run name" in r.output
+    assert r.exit_code == 2 and "invalid run name" in r.output  # a bad name is a usage error, as a bad NAME@N is
+    r = cli("ls", "-r", str(tmp_path / "r"), "bad/../name")
+    assert r.exit_code == 2 and "invalid" in r.output
 
 
 def test_console_script_installed(filled):

@@ -55,6 +55,7 @@ def test_every_error_class_has_one_exit_code_and_a_builtin_base():
         assert getattr(luopan, cls.__name__) is cls, f"{cls.__name__} is not exported from luopan"
         assert next(code for base, code in EXIT_CODES if issubclass(cls, base)) in (1, 2, 3, 4, 5)
     assert exit_code_for(luopan.UsageError("x")) == 2
+    assert exit_code_for(luopan.InvalidNameError("x")) == 2  # a bad name the user typed: usage, as ds@0 is
     assert exit_code_for(luopan.CorruptManifestError("x")) == 3
     assert exit_code_for(luopan.GcError("x")) == 3
     assert exit_code_for(luopan.CheckpointNotFoundError("x")) == 4

@@ -68,7 +68,7 @@ def test_artifact_command_errors(tmp_path):
     run("-r", repo, "artifact", "checkout", "nope@1", tmp_path / "o", code=4)
     run("-r", repo, "lineage", "nope@1", code=4)
     run("-r", repo, "artifact", "commit", "x", tmp_path / "missing", code=4)
-    run("-r", repo, "artifact", "commit", "bad name", tmp_path, code=1)
+    run("-r", repo, "artifact", "commit", "bad name", tmp_path, code=2)  # an invalid name is a usage error
     run("-r", repo, "artifact", "commit", "x", tmp_path, "--meta", "novalue", code=2)
     run("-r", repo, "artifact", "pin", "x", code=2)  # a version is needed
     assert "no artifacts yet" in run("-r", repo, "artifact", "ls")

@@ -45,7 +45,7 @@ def test_index_ls_and_rollback(tmp_path):
     assert "live version is now 2" in run("-r", repo_path, "index", "rollback", "kb-main", "2")
     run("-r", repo_path, "index", "rollback", "kb-main", "7", code=4)  # no such version
     run("-r", repo_path, "index", "ls", "nothing-here", code=4)
-    run("-r", repo_path, "index", "rollback", "bad name", "1", code=1)  # invalid name
+    run("-r", repo_path, "index", "rollback", "bad name", "1", code=2)  # invalid name: a usage error
     with luopan.open(repo_path, create=False) as repo:
         assert luopan.index.IndexStore(repo, "kb-main").current() == 2
     assert "index" in run("-r", repo_path, "du", "--json")

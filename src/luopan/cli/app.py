@@ -1,7 +1,8 @@
 """The ``luopan`` Typer app and what every command shares: consoles, the repository option (``-r`` before or after
 the command, or ``LUOPAN_REPO``), the one table from error classes to exit codes, output helpers.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 damaged data, 4 not found, 5 repository newer than this luopan.
+Exit codes: 0 ok, 1 error, 2 usage (a bad flag, argument or name), 3 damaged data, 4 not found, 5 repository newer
+than this luopan.
 """
 
 from __future__ import annotations
@@ -100,9 +101,11 @@ RepoOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
 
-# The one table from error classes to exit codes, most specific first (luopan --help lists the codes).
+# The one table from error classes to exit codes, most specific first (luopan --help lists the codes). An invalid
+# name, step or NAME@N (InvalidNameError) comes from what the user typed: a usage error (2), as a bad flag is.
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (UsageError, 2),
+    (InvalidNameError, 2),
     (GcError, 3),
     (IntegrityError, 3),
     (RepoNotFoundError, 4),
@@ -272,7 +275,8 @@ def _root(
 ) -> None:
     """luopan (落盘): atomic, verified, incremental checkpoints for AI runs.
 
-    Exit codes: 0 ok, 1 error, 2 usage, 3 damaged data, 4 not found, 5 repository newer than this luopan.
+    Exit codes: 0 ok, 1 error, 2 usage (a bad flag, argument or name), 3 damaged data, 4 not found, 5 repository
+    newer than this luopan.
     """
     global _root_repo
     _root_repo = repo
