@@ -26,6 +26,21 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def make_dirs(path: str | os.PathLike[str]) -> None:
+    """``os.makedirs(path, exist_ok=True)``, each directory it creates synced into its parent before this returns (a
+    directory entry is durable only once its parent is synced: nothing inside may be acknowledged before)."""
+    missing, p = [], os.path.abspath(os.fspath(path))
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(missing):
+        fsync_dir(os.path.dirname(d))
+
+
 def replace_atomic(path: str | os.PathLike[str], fill: Callable[[int], None]) -> None:
     """Replace ``path`` with what ``fill(fd)`` writes into a new temporary file beside it: readers see the old file
     or the whole new one, never a part; durable on return (fsync of the file, rename, fsync of the directory)."""

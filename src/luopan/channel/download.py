@@ -11,7 +11,8 @@ into one output never interleave and a cleanup never deletes a download in progr
 
 Bytes are written with ``pwrite`` as they arrive (no user-space buffer), so a process killed mid-download leaves
 every byte it received in the partial file; after a power loss the tail may be lost or zeroed, which the final
-BLAKE3 check catches (the next run then downloads the file again).
+BLAKE3 check catches: a file completed from resumed bytes that does not match is downloaded once more from zero in
+the same call, and only a fresh download that does not match is the server's fault (CorruptDownloadError).
 """
 
 from __future__ import annotations
@@ -231,6 +232,12 @@ def download(source: Source, ref: FileRef, partial: Partial | str, *, retries: i
         partial.remove()
         raise CorruptDownloadError(f"{exc}; the partial file was deleted (run the pull again to download it anew "
                                    "once the server is fixed)") from None
+    if hasher.hexdigest() != ref.blake3 and start:
+        # the first ``start`` bytes were the partial file's, which a power loss may have cut or zeroed in place (a
+        # rerun after one would fail once more): download the file once more from zero before blaming the server
+        os.ftruncate(fd, 0)
+        again = download(source, ref, partial, retries=retries, backoff=backoff, progress=progress)
+        return Downloaded(path, got + again.downloaded, start, restarts + again.restarts)
     if hasher.hexdigest() != ref.blake3:
         partial.remove()
         raise CorruptDownloadError(f"{ref.name}: the {ref.size} bytes downloaded have BLAKE3 {hasher.hexdigest()}, "

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._files import PATH_ERRNOS, make_dirs, write_error
 from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
@@ -44,7 +45,7 @@ from ..repo import open as open_repo
 from ..signing import SigningKey, TrustedKeys, load_signing_key
 from ..store.tempfiles import cleanup_failed
 from ..units import parse_duration
-from .files import Scratch, fd_blake3, make_scratch, publish_lock, real_dir, write_atomic
+from .files import Scratch, fd_blake3, fsync_dir, make_scratch, publish_lock, real_dir, write_atomic
 from .index import (
     INDEX_NAME,
     MAX_INDEX_BYTES,
@@ -60,6 +61,10 @@ from .index import (
 
 MAX_KEEP = 100
 TMP_DIR = ".tmp"
+# In a channel without an index, present while its first publish runs (written durably before any file is moved in,
+# removed once the index is): files beside it were never named by an index, so a rerun after a crash may replace
+# them (without it they mean a lost index, and the index version counter with it)
+FIRST = ".publish-first"
 FULL_TMP, PATCH_TMP = "full.safetensors", "patch.lpatch"  # names in the scratch directory
 
 
@@ -114,9 +119,11 @@ def publish(
     say = progress or (lambda _msg: None)
     root = os.fspath(channel_dir)
     try:
-        for d in ("full", "patches"):
-            os.makedirs(os.path.join(root, d), exist_ok=True)
+        for d in ("full", "patches"):  # synced into their parents: the index written later is inside
+            make_dirs(os.path.join(root, d))
     except OSError as exc:
+        if exc.errno not in PATH_ERRNOS:
+            raise write_error(exc, root, "nothing was published") from None
         raise UsageError(f"cannot create the channel directory {root}: {exc.strerror or exc}") from None
     for d in ("full", "patches"):  # files are renamed into them and deleted from them: never through a link
         real_dir(os.path.join(root, d), "the channel's directory")
@@ -127,6 +134,9 @@ def publish(
         version = max((prev.version if prev else 0) + 1, min_version or 1)
         if version > MAX_INDEX_VERSION:
             raise UsageError(f"the channel {root} has used every index version: start a new channel")
+        if prev is None:
+            write_atomic(os.path.join(root, FIRST), b"the first publish of this channel is running or was cut short: "
+                         b"no index named the files beside this one\n")
         scratch = make_scratch(scratch_candidates(root), os.stat(root).st_dev)
         try:
             say(f"exporting {run} step {step}" + (f" ({subtree})" if subtree else ""))
@@ -167,6 +177,7 @@ def publish(
             data = encode_index(index, key)
             say(f"writing {INDEX_NAME} (version {version}, expires {index.expires})")
             write_atomic(os.path.join(root, INDEX_NAME), data)  # last: every file it names is in place and durable
+            _clear_first(root)
             removed = _remove_unlisted(root, index, prev)
         finally:
             scratch.remove()
@@ -221,8 +232,8 @@ def _check_no_leftovers(root: str, min_version: int | None) -> None:
     on): its index version counter was lost with the index, and a new count from 1 would be refused by every
     device that saw the old one (or worse, accepted by none and replayed later)."""
     leftovers = sorted(f"{d}/{n}" for d in ("full", "patches") for n in os.listdir(os.path.join(root, d)))
-    if not leftovers or min_version is not None:
-        return
+    if not leftovers or min_version is not None or _is_file(os.path.join(root, FIRST)):
+        return  # (a first publish that was cut short: no device saw an index, the files are replaced)
     seen = [int(m.group(1)) for n in leftovers if (m := re.search(r"(\d{8})-[0-9a-f]{16}\.", n))]
     hint = f" (more than {max(seen)}, the newest version named by these files)" if seen else ""
     raise UsageError(
@@ -230,6 +241,27 @@ def _check_no_leftovers(root: str, min_version: int | None) -> None:
         f"{', …' if len(leftovers) > 3 else ''}): its index was lost, and with it the index version devices compare "
         f"against. Restore {INDEX_NAME} from a backup; or publish with --min-version N (min_version=N), N above "
         f"every index version devices have seen{hint}: the files no new index names are then deleted")
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _clear_first(root: str) -> None:
+    """Remove the first-publish mark once an index is in place (durably: a mark that came back after a power loss
+    would let a later publish without ``min_version`` restart the version count of a channel whose index was lost)."""
+    path = os.path.join(root, FIRST)
+    if not _is_file(path):
+        return
+    try:
+        os.unlink(path)
+        fsync_dir(root)
+    except OSError as exc:
+        cleanup_failed(f"the channel {root} is published, but removing {path} failed ({exc.strerror or exc}); the "
+                       "next publish removes it")
 
 
 def _check_files(root: str, refs: list[FileRef], say: Callable[[str], Any]) -> None:
