@@ -290,6 +290,28 @@ def test_damage_inside_the_last_group_is_an_error_not_a_torn_tail(tmp_path, fsyn
     assert contents(d) == before  # records 4..6, intact and acknowledged, are still there
 
 
+@pytest.mark.parametrize("where", ["payload", "cut"])
+def test_damage_to_the_last_synced_record_is_an_error_not_a_torn_tail(tmp_path, where):
+    """The last record was synced and acknowledged (the sync mark says so): a flipped bit in it, or a segment cut
+    short inside it, is damage, not a crash's torn tail; nothing is cut and the log is refused."""
+    d = str(tmp_path / "log")
+    with Log(d, fsync="always") as log:
+        for i in range(3):
+            log.append(b"rec%d" % i * 40)
+        offsets = list(log.segments[-1].offsets)
+    seg = segs(d)[0]
+    if where == "payload":
+        flip(seg, offsets[2] + HEADER_BYTES + 5)
+    else:
+        os.truncate(seg, os.path.getsize(seg) - 7)
+    before = contents(d)
+    for read_only in (False, True):
+        with pytest.raises(CorruptJournalError) as info:
+            Log(d, read_only=read_only)
+        assert info.value.offset == offsets[2] and "sync mark" in str(info.value)
+    assert contents(d) == before
+
+
 def test_unsynced_records_reaching_the_disk_out_of_order_are_a_torn_tail(tmp_path):
     """A crash can persist a later page of the unsynced tail and lose an earlier one: nothing vouches for those
     records (neither a frame's mark nor the sync mark), so they are cut, and the log opens."""

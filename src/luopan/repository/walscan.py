@@ -4,8 +4,9 @@ the last whole record, damage anywhere else an error naming the segment and the 
 The torn-tail rule. A crash can leave what was written after the last sync lost, cut short, garbled, zero-filled or
 reaching the disk page by page in any order; what a sync covered is intact. Only the last segment can have a torn
 tail (each segment is synced in full before the next one starts). Its first unreadable frame (seq S) starts one when
-- nothing readable follows it (the file ends in a cut-short, zero-filled or garbled region): cutting it deletes no
-  intact record; or
+- nothing readable follows it (the file ends in a cut-short, zero-filled or garbled region) and the log's sync mark
+  does not vouch for S (a record below the mark was synced and acknowledged: its damage is bit rot, not a crash);
+  or
 - intact frames follow it, but nothing on disk says S had been synced: no later intact frame's durable mark exceeds
   S, and neither does the log's sync mark (``DURABLE``, rewritten after every sync, never synced itself). Then S and
   what follows were never acknowledged as durable (an acknowledgement comes after the sync and the sync mark), and
@@ -120,10 +121,11 @@ def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int) -> tuple[int,
             if later is not None:
                 raise damaged(seg.path, pos, seq, f"is unreadable ({reason}), but record {later.seq} (offset "
                               f"{later.offset}) was written after it had been made durable")
-            if intact is not None and seq < vouched:
-                raise damaged(seg.path, pos, seq, f"is unreadable ({reason}) although record {intact.seq} (offset "
-                              f"{intact.offset}) after it is intact, and the log's sync mark ({SYNC_MARK_NAME}) says "
-                              f"every record below {vouched} had been made durable")
+            if seq < vouched:  # a record a sync covered: bit rot or an overwrite, never a crash's torn tail
+                after = (f" although record {intact.seq} (offset {intact.offset}) after it is intact, and"
+                         if intact is not None else ", but")
+                raise damaged(seg.path, pos, seq, f"is unreadable ({reason}){after} the log's sync mark "
+                              f"({SYNC_MARK_NAME}) says every record below {vouched} had been made durable")
             return pos, reason
         seg.offsets.append(pos)
         pos += f.size
