@@ -134,7 +134,9 @@ def publish(
         version = max((prev.version if prev else 0) + 1, min_version or 1)
         if version > MAX_INDEX_VERSION:
             raise UsageError(f"the channel {root} has used every index version: start a new channel")
-        if prev is None:
+        if prev is None and (_is_file(os.path.join(root, FIRST)) or not _published_files(root)):
+            # only a channel nothing was ever published into (or whose first publish was cut short) gets the mark:
+            # a --min-version publish over a lost index, cut short, must leave the lost-index guard standing
             write_atomic(os.path.join(root, FIRST), b"the first publish of this channel is running or was cut short: "
                          b"no index named the files beside this one\n")
         scratch = make_scratch(scratch_candidates(root), os.stat(root).st_dev)
@@ -231,7 +233,7 @@ def _check_no_leftovers(root: str, min_version: int | None) -> None:
     """UsageError when a channel without an index holds published files (and no ``min_version`` says where to go
     on): its index version counter was lost with the index, and a new count from 1 would be refused by every
     device that saw the old one (or worse, accepted by none and replayed later)."""
-    leftovers = sorted(f"{d}/{n}" for d in ("full", "patches") for n in os.listdir(os.path.join(root, d)))
+    leftovers = _published_files(root)
     if not leftovers or min_version is not None or _is_file(os.path.join(root, FIRST)):
         return  # (a first publish that was cut short: no device saw an index, the files are replaced)
     seen = [int(m.group(1)) for n in leftovers if (m := re.search(r"(\d{8})-[0-9a-f]{16}\.", n))]
@@ -241,6 +243,11 @@ def _check_no_leftovers(root: str, min_version: int | None) -> None:
         f"{', …' if len(leftovers) > 3 else ''}): its index was lost, and with it the index version devices compare "
         f"against. Restore {INDEX_NAME} from a backup; or publish with --min-version N (min_version=N), N above "
         f"every index version devices have seen{hint}: the files no new index names are then deleted")
+
+
+def _published_files(root: str) -> list[str]:
+    """The files in the channel's ``full/`` and ``patches/`` (``d/name``), sorted."""
+    return sorted(f"{d}/{n}" for d in ("full", "patches") for n in os.listdir(os.path.join(root, d)))
 
 
 def _is_file(path: str) -> bool:
