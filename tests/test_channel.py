@@ -322,6 +322,30 @@ def test_a_damaged_partial_file_is_caught_and_downloaded_anew(ch, device, left):
     assert out.read_bytes() == ch.exports[3].read_bytes() and not partial.exists()
 
 
+def test_a_partial_file_whose_fsync_failed_is_deleted_not_trusted(ch, device, monkeypatch):
+    """After a failed fsync the kernel may mark the lost pages clean, so a rerun would hash the page cache rather
+    than the disk: the partial file is deleted, the pull fails naming it, and the rerun downloads it anew."""
+    download_module = importlib.import_module("luopan.channel.download")
+    full = ch.index.latest.full
+    out = device / "new.safetensors"
+    partial = device / f".new.safetensors.{full.blake3[:16]}.part"
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(partial):
+            raise OSError(5, "Input/output error")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(download_module.os, "fsync", failing_fsync)
+    with pytest.raises(luopan.StorageError, match=r"\.part.*partial file was deleted"):
+        pull(str(ch.chan), None, out, trusted_keys=ch.trusted)
+    monkeypatch.undo()
+    assert not partial.exists() and not out.exists()
+    got = pull(str(ch.chan), None, out, trusted_keys=ch.trusted)
+    assert got["downloaded"] == full.size and got["resumed_from"] == 0
+    assert out.read_bytes() == ch.exports[3].read_bytes()
+
+
 def test_a_file_removed_by_a_later_publish_makes_the_pull_read_the_index_again(ch, tmp_path, device):
     chan = tmp_path / "live"
     shutil.copytree(ch.chan, chan)
@@ -580,6 +604,28 @@ def test_a_channel_that_lost_its_index_needs_min_version(ch, tmp_path):
     assert os.listdir(chan / "patches") == []
     again = publish(ch.repo, "run-a", 3, chan, sign_key=ch.key, subtree="model", min_version=7)
     assert again["index_version"] == 51  # min_version never lowers the count
+
+
+def test_a_min_version_publish_over_a_lost_index_cut_short_keeps_the_guard(ch, tmp_path, monkeypatch):
+    """Only a channel nothing was published into gets the first-publish mark: a --min-version publish over a lost
+    index that fails midway must not leave one, or a plain publish would then restart the version count at 1 and
+    delete the files devices were told about."""
+    import importlib
+
+    publish_module = importlib.import_module("luopan.channel.publish")
+    chan = channel_copy(ch, tmp_path)
+    (chan / "index.json").unlink()
+
+    def broken_export(*args, **kwargs):
+        raise OSError(5, "simulated failure mid-publish")
+
+    monkeypatch.setattr(publish_module, "make_scratch", broken_export)
+    with pytest.raises(OSError):
+        publish(ch.repo, "run-a", 3, chan, sign_key=ch.key, subtree="model", min_version=50)
+    monkeypatch.undo()
+    assert not (chan / publish_module.FIRST).exists()
+    with pytest.raises(luopan.UsageError, match=r"--min-version N"):
+        publish(ch.repo, "run-a", 3, chan, sign_key=ch.key, subtree="model")
 
 
 # -- the device's state: crashes, downgrades, wrong bases -------------------------------------------------------------

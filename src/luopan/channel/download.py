@@ -226,16 +226,25 @@ def download(source: Source, ref: FileRef, partial: Partial | str, *, retries: i
                 attempt += 1
         try:
             os.fsync(fd)
-        except OSError as exc:  # kept: a rerun hashes what is on disk again, so a bad page is caught, not trusted
-            raise write_error(exc, path, "the bytes downloaded are kept, and a rerun resumes") from None
+        except OSError as exc:
+            # not kept: after a failed fsync the kernel may mark the lost pages clean, so a rerun would hash the page
+            # cache, not the disk, and trust bytes that a power loss can still take (a failed sync is never retried
+            # and trusted, docs/format.md §10.6)
+            partial.remove()
+            raise write_error(exc, path, "the partial file was deleted; a rerun downloads it anew") from None
     except CorruptDownloadError as exc:
         partial.remove()
         raise CorruptDownloadError(f"{exc}; the partial file was deleted (run the pull again to download it anew "
                                    "once the server is fixed)") from None
-    if hasher.hexdigest() != ref.blake3 and start:
+    if hasher.hexdigest() != ref.blake3 and start and not restarts:
         # the first ``start`` bytes were the partial file's, which a power loss may have cut or zeroed in place (a
         # rerun after one would fail once more): download the file once more from zero before blaming the server
-        os.ftruncate(fd, 0)
+        # (not when the server already sent the whole file from zero: those bytes were all its own)
+        try:
+            os.ftruncate(fd, 0)
+        except OSError as exc:
+            partial.remove()
+            raise write_error(exc, path, "the partial file was deleted; a rerun downloads it anew") from None
         again = download(source, ref, partial, retries=retries, backoff=backoff, progress=progress)
         return Downloaded(path, got + again.downloaded, start, restarts + again.restarts)
     if hasher.hexdigest() != ref.blake3:
