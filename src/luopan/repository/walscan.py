@@ -4,9 +4,9 @@ the last whole record, damage anywhere else an error naming the segment and the 
 The torn-tail rule. A crash can leave what was written after the last sync lost, cut short, garbled, zero-filled or
 reaching the disk page by page in any order; what a sync covered is intact. Only the last segment can have a torn
 tail (each segment is synced in full before the next one starts). Its first unreadable frame (seq S) starts one when
-- nothing readable follows it (the file ends in a cut-short, zero-filled or garbled region) and the log's sync mark
-  does not vouch for S (a record below the mark was synced and acknowledged: its damage is bit rot, not a crash);
-  or
+- nothing readable follows it (the file ends in a cut-short, zero-filled or garbled region), and it is cut short or
+  the log's sync mark does not vouch for S (a whole record below the mark that does not check was synced and
+  acknowledged: its damage is bit rot, not a crash); or
 - intact frames follow it, but nothing on disk says S had been synced: no later intact frame's durable mark exceeds
   S, and neither does the log's sync mark (``DURABLE``, rewritten after every sync, never synced itself). Then S and
   what follows were never acknowledged as durable (an acknowledgement comes after the sync and the sync mark), and
@@ -121,7 +121,10 @@ def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int) -> tuple[int,
             if later is not None:
                 raise damaged(seg.path, pos, seq, f"is unreadable ({reason}), but record {later.seq} (offset "
                               f"{later.offset}) was written after it had been made durable")
-            if seq < vouched:  # a record a sync covered: bit rot or an overwrite, never a crash's torn tail
+            if seq < vouched and (intact is not None or reason.endswith("does not match")):
+                # a whole record a sync covered that does not check: bit rot or an overwrite, never a crash's torn
+                # tail. (One cut short at the end of the file is still cut: a copy of a live log, made segment by
+                # segment, can end mid-record while its sync mark, copied later, vouches for more.)
                 after = (f" although record {intact.seq} (offset {intact.offset}) after it is intact, and"
                          if intact is not None else ", but")
                 raise damaged(seg.path, pos, seq, f"is unreadable ({reason}){after} the log's sync mark "
