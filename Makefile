@@ -38,7 +38,7 @@ test: setup system-deps
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
-	LUOPAN_POWERLOSS_STATES=$${LUOPAN_POWERLOSS_STATES:-2000} LUOPAN_FAULTS_ALL=$${LUOPAN_FAULTS_ALL:-1} $(BIN)/python -m pytest -q tests/test_powerloss*.py tests/test_fault_injection*.py
+	LUOPAN_POWERLOSS_STATES=$${LUOPAN_POWERLOSS_STATES:-1000} LUOPAN_FAULTS_ALL=$${LUOPAN_FAULTS_ALL:-1} $(BIN)/python -m pytest -q tests/test_powerloss*.py tests/test_fault_injection*.py
 
 bench: setup
 	$(BIN)/python benchmarks/run.py --suite foundation --quick

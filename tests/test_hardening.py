@@ -444,8 +444,8 @@ def test_cli_repository_argument_errors(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     for args, code, match in ((["ls", "-r", f], 4, "is a file"), (["init", "-r", f], 1, "is a file"),
-                              (["init", "-r", "s3://"], 1, "needs a bucket"),
-                              (["init", "-r", "s3:///x/../y"], 1, "needs a bucket")):
+                              (["init", "-r", "s3://"], 2, "needs a bucket"),
+                              (["init", "-r", "s3:///x/../y"], 2, "needs a bucket")):  # usage errors (InvalidNameError)
         r = cli(*args)
         assert r.exit_code == code and match in r.output, (args, r.output)
         assert r.exception is None or isinstance(r.exception, SystemExit)
