@@ -11,7 +11,7 @@ import os
 import secrets
 from collections.abc import Callable
 
-from .errors import LuopanError, OutputPathError, StorageError, StorageFullError
+from .errors import LuopanError, OutputPathError, StorageError, StorageFullError, os_remedy
 
 # errors that are about the path itself (where it is, who may write there): the caller chose a bad output
 PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
@@ -89,8 +89,7 @@ def write_error(exc: BaseException, path: str, outcome: str = "", *, placed: boo
     code = exc.errno or errno.EIO
     why = exc.strerror or str(exc)
     full = code in (errno.ENOSPC, errno.EDQUOT)
-    fix = ("free space on its disk (or raise the quota), then try again" if full else
-           "check the disk (the system log names the device's errors), then try again")
+    fix = f"{os_remedy(code)}, then try again"
     if placed:
         return (StorageFullError if full else StorageError)(
             code, f"{path} was written, but syncing its directory failed ({why}): it may not survive a power loss; "
@@ -100,7 +99,8 @@ def write_error(exc: BaseException, path: str, outcome: str = "", *, placed: boo
         return StorageFullError(code, f"no space left while writing {path}{done}; {fix}")
     if code in PATH_ERRNOS:
         return OutputPathError(code, f"cannot write {path}: {why}" + (f"; {outcome}" if outcome else ""))
-    return StorageError(code, f"I/O error writing {path} ({why}){done}; {fix}")
+    what = "I/O error writing" if code == errno.EIO else "cannot write"
+    return StorageError(code, f"{what} {path} ({why}){done}; {fix}")
 
 
 def _unlink(path: str) -> None:

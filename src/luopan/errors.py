@@ -7,6 +7,7 @@ anything else reaching it is a bug. Extra fields an error carries are declared o
 
 from __future__ import annotations
 
+import errno as _errno
 from typing import Any
 
 
@@ -300,3 +301,24 @@ class CleanupWarning(UserWarning):
     descriptor whose close failed, an op log it could not trim). Nothing committed is lost and the operation
     reports success; leftovers are removed later (temporary files of gone writers at the next write or gc). Also
     logged to the ``luopan`` logger."""
+
+
+def os_remedy(code: int | None) -> str:
+    """What to do about an OSError with errno ``code`` met while writing: one clause, for messages ("…; {remedy},
+    then try again"). The system's own reason is given beside it by the caller."""
+    if code in (_errno.ENOSPC, _errno.EDQUOT):
+        return "free space on its disk (or raise the quota)"
+    if code == _errno.EROFS:
+        return "its file system is mounted read-only: remount it read-write, or use another place"
+    if code in (_errno.EACCES, _errno.EPERM):
+        return "check the owner and mode of the path (this user may not write there)"
+    if code == _errno.EFBIG:
+        return "the file is larger than its file system or the process limit allows (e.g. FAT32's 4 GiB): use " \
+               "another file system or raise the limit (ulimit -f)"
+    if code in (_errno.EMFILE, _errno.ENFILE):
+        return "too many files are open: raise the limit (ulimit -n) or close other programs"
+    if code == _errno.ENAMETOOLONG:
+        return "a name on the path is too long for its file system: use a shorter path"
+    if code in (_errno.ENOENT, _errno.ENOTDIR):
+        return "a directory on the path is missing or is not a directory: check the path"
+    return "check the disk (the system log names the device's errors)"

@@ -18,6 +18,7 @@ by every rank of the group, is one checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
 from typing import Any
 
@@ -176,9 +177,10 @@ def _agree(dist: Any, group: Any, ok: bool, detail: Any, committing: bool = Fals
         kinds = {d[1] for _r, d in failed}
         code = failed[0][1][2]
         if kinds == {"full"}:  # every rank meets the same typed error: all free space and save again together
-            raise CollectiveStorageFullError(code, message)
+            raise CollectiveStorageFullError(code or errno.ENOSPC, message)
         if None not in kinds:
-            raise CollectiveStorageError(next(d[2] for _r, d in failed if d[1] == "storage") or code, message)
+            raise CollectiveStorageError(next(d[2] for _r, d in failed if d[1] == "storage") or code or errno.EIO,
+                                         message)
         raise CollectiveError(message)
     return [d for _o, d in out]
 

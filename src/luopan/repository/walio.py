@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import os
 
-from ..errors import StorageError, StorageFullError
+from ..errors import StorageError, StorageFullError, os_remedy
 
 
 def _write(fd: int, data: bytes, path: str) -> None:
@@ -58,14 +58,12 @@ def io_error(exc: OSError, path: str, doing: str, fix: str | None = None) -> Sto
     code = exc.errno or errno.EIO
     why = exc.strerror or str(exc)
     full = code in (errno.ENOSPC, errno.EDQUOT)
-    remedy = ("free space (or raise the quota)" if full else
-              "check the permissions of the path" if code in (errno.EACCES, errno.EPERM, errno.EROFS) else
-              "check the disk (the system log names the device's errors)")
+    remedy = os_remedy(code)
     if fix is None:
         fix = "the log is as it was before this call: {remedy}, then " + ("append again" if full else "try again")
     cls = StorageFullError if full else StorageError
-    err = cls(code, f"{'no space left' if full else 'I/O error'} {doing} {path} ({why}): "
-              + fix.replace("{remedy}", remedy))
+    what = "no space left" if full else "I/O error" if code == errno.EIO else "failed"
+    err = cls(code, f"{what} {doing} {path} ({why}): " + fix.replace("{remedy}", remedy))
     return err
 
 

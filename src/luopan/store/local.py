@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .._crash import crashpoint
-from ..errors import LuopanError, StorageError, StorageFullError
+from ..errors import LuopanError, StorageError, StorageFullError, os_remedy
 from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
 from .tempfiles import HOST as _HOST
 from .tempfiles import STALE_TMP_SECONDS as STALE_TMP_SECONDS  # doctor's leftovers check reads it here
@@ -67,8 +67,7 @@ class LocalStore(Store):
             return StorageError(exc.errno, f"permission denied: cannot {op} {key} in {self.root}: this user may not "
                                 f"{need} it; check the owner and mode of the repository's files and directories")
         return StorageError(exc.errno or errno.EIO, f"cannot {op} {key} in {self.root}: "
-                            f"{exc.strerror or exc}; check the disk (the system log names the device's errors), "
-                            "then try again")
+                            f"{exc.strerror or exc}; {os_remedy(exc.errno or errno.EIO)}, then try again")
 
     def _open_regular(self, key: str) -> int:
         """An fd open for reading on ``key``, which must be a regular file (followed through symlinks). Anything
