@@ -322,6 +322,23 @@ def test_a_copy_of_a_live_log_cut_inside_its_last_record_opens(tmp_path):
         assert [p for _s, p in log.items()] == [b"rec0" * 40, b"rec1" * 40]
 
 
+def test_a_synced_last_record_zeroed_to_the_end_of_the_file_is_a_torn_tail(tmp_path):
+    """A disk whose cache ignored a flush can leave the file's length with zeros from inside the last record on:
+    not bit rot (which flips bits), so it is cut as a torn tail although the sync mark covers the record."""
+    d = str(tmp_path / "log")
+    with Log(d, fsync="always") as log:
+        for i in range(3):
+            log.append(b"rec%d" % i * 40)
+        offsets = list(log.segments[-1].offsets)
+    seg = segs(d)[0]
+    size = os.path.getsize(seg)
+    with open(seg, "r+b") as f:
+        f.seek(offsets[2] + HEADER_BYTES + 20)
+        f.write(bytes(size - offsets[2] - HEADER_BYTES - 20))
+    with Log(d) as log:
+        assert log.recovered and log.next_seq == 2
+
+
 def test_unsynced_records_reaching_the_disk_out_of_order_are_a_torn_tail(tmp_path):
     """A crash can persist a later page of the unsynced tail and lose an earlier one: nothing vouches for those
     records (neither a frame's mark nor the sync mark), so they are cut, and the log opens."""

@@ -4,8 +4,8 @@ the last whole record, damage anywhere else an error naming the segment and the 
 The torn-tail rule. A crash can leave what was written after the last sync lost, cut short, garbled, zero-filled or
 reaching the disk page by page in any order; what a sync covered is intact. Only the last segment can have a torn
 tail (each segment is synced in full before the next one starts). Its first unreadable frame (seq S) starts one when
-- nothing readable follows it (the file ends in a cut-short, zero-filled or garbled region), and it is cut short or
-  the log's sync mark does not vouch for S (a whole record below the mark that does not check was synced and
+- nothing readable follows it (the file ends in a cut-short, zero-filled or garbled region), and it is cut short,
+  zero-filled from inside it to the end of the file, or the log's sync mark does not vouch for S (a whole record below the mark that does not check was synced and
   acknowledged: its damage is bit rot, not a crash); or
 - intact frames follow it, but nothing on disk says S had been synced: no later intact frame's durable mark exceeds
   S, and neither does the log's sync mark (``DURABLE``, rewritten after every sync, never synced itself). Then S and
@@ -30,6 +30,7 @@ from ..format.records import (
     frames_after,
     parse_segment_header,
     parse_sync_mark,
+    padded,
     read_frame,
     segment_header,
     segment_seq,
@@ -109,10 +110,13 @@ def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int) -> tuple[int,
     while pos < len(buf):
         f = read_frame(buf, pos, seq)
         if f is None:
+            length = int.from_bytes(buf[pos : pos + 4], "little")
             if pos + HEADER_BYTES > len(buf):
                 reason = "a record header cut short"
-            elif int.from_bytes(buf[pos : pos + 4], "little") + HEADER_BYTES + pos > len(buf):
+            elif pos + HEADER_BYTES + padded(length) > len(buf):  # its padding too: frames are 8-byte aligned
                 reason = "a record cut short"
+            elif len(buf[pos:].tobytes().rstrip(b"\0")) < HEADER_BYTES + length:
+                reason = "a record whose end is zero-filled"  # zeros from inside it to the end of the file
             else:
                 reason = "a record whose checksum does not match"
             if not last:
@@ -123,8 +127,10 @@ def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int) -> tuple[int,
                               f"{later.offset}) was written after it had been made durable")
             if seq < vouched and (intact is not None or reason.endswith("does not match")):
                 # a whole record a sync covered that does not check: bit rot or an overwrite, never a crash's torn
-                # tail. (One cut short at the end of the file is still cut: a copy of a live log, made segment by
-                # segment, can end mid-record while its sync mark, copied later, vouches for more.)
+                # tail. (One cut short, or zero-filled from inside it to the end of the file, is still cut: a copy
+                # of a live log, made segment by segment, can end mid-record while its sync mark, copied later,
+                # vouches for more; a disk whose cache ignored a flush leaves a tail of zeros after a power loss.
+                # Neither is what bit rot does.)
                 after = (f" although record {intact.seq} (offset {intact.offset}) after it is intact, and"
                          if intact is not None else ", but")
                 raise damaged(seg.path, pos, seq, f"is unreadable ({reason}){after} the log's sync mark "
