@@ -144,11 +144,13 @@ def test_publishing_the_same_content_renews_the_index_only(ch, tmp_path):
     shutil.copytree(ch.chan, chan)
     latest = chan / ch.index.latest.full.name
     latest.write_bytes(latest.read_bytes()[:-1] + b"\x01")  # damaged on disk: the export's same bytes replace it
+    before = time.time()
     info = publish(ch.repo, "run-a", 3, chan, sign_key=ch.key, subtree="model", expires="2h", keep=1)
+    after = time.time()
     idx = parse_index((chan / "index.json").read_bytes())
     assert info["refreshed"] and info["index_version"] == 4 and info["version"] == 3
     assert idx.version == 4 and idx.versions == ch.index.versions and idx.patches == ch.index.patches
-    assert idx.expires_at - time.time() < 2 * 3600 + 5
+    assert before + 2 * 3600 - 1 <= idx.expires_at <= after + 2 * 3600 + 1  # 2 h from the publish (whole seconds)
     assert latest.read_bytes() == ch.exports[3].read_bytes()
     # the patch 1 -> 2 was named by index 2 last: index 4 deletes it (one publish after index 3 stopped naming it)
     assert info["removed"] == [ch.infos[2]["patches"][0]["name"]]

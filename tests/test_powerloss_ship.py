@@ -139,8 +139,9 @@ def one_rank_group(tmp_path):
     import torch.distributed as dist
 
     if dist.is_initialized():  # left by another test in this process
-        if dist.get_world_size() != 1:
-            pytest.skip("torch.distributed is initialised here with another group")
+        assert dist.get_world_size() == 1, (
+            f"another test left torch.distributed initialised with {dist.get_world_size()} ranks in this process: "
+            "it must destroy its process group")
         yield dist.group.WORLD
         return
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
