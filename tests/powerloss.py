@@ -408,36 +408,29 @@ class Recorder(_Hooks, _Paths):
         self.events.append(Event("link", path=src, dst=dst, oid=self.names[src]))
         return out
 
-    def _on_unlink(self, real: Callable, args: tuple, kw: dict) -> Any:
+    def _one_path(self, real: Callable, args: tuple, kw: dict, done: Callable[[str], None]) -> Any:
+        """A call on one path (unlink, mkdir, rmdir): run it, then ``done(rel)`` updates the mirror and the record."""
         rel = self.rel(args[0], kw.get("dir_fd"))
         if rel is None:
             return real(*args, **kw)
         self._capture()
         out = real(*args, **kw)
-        oid = self.names.pop(rel)
-        self.events.append(Event("unlink", path=rel, oid=oid))
+        done(rel)
         return out
+
+    def _removed(self, kind: str) -> Callable[[str], None]:
+        return lambda rel: self.events.append(Event(kind, path=rel, oid=self.names.pop(rel)))
+
+    def _on_unlink(self, real: Callable, args: tuple, kw: dict) -> Any:
+        return self._one_path(real, args, kw, self._removed("unlink"))
 
     _on_remove = _on_unlink
 
     def _on_mkdir(self, real: Callable, args: tuple, kw: dict) -> Any:
-        rel = self.rel(args[0], kw.get("dir_fd"))
-        if rel is None:
-            return real(*args, **kw)
-        self._capture()
-        out = real(*args, **kw)
-        self._created(rel, True)
-        return out
+        return self._one_path(real, args, kw, lambda rel: self._created(rel, True))
 
     def _on_rmdir(self, real: Callable, args: tuple, kw: dict) -> Any:
-        rel = self.rel(args[0], kw.get("dir_fd"))
-        if rel is None:
-            return real(*args, **kw)
-        self._capture()
-        out = real(*args, **kw)
-        oid = self.names.pop(rel)
-        self.events.append(Event("rmdir", path=rel, oid=oid))
-        return out
+        return self._one_path(real, args, kw, self._removed("rmdir"))
 
     def _on_symlink(self, real: Callable, args: tuple, kw: dict) -> Any:
         if self.rel(args[1], kw.get("dir_fd")) is not None:

@@ -290,15 +290,21 @@ def test_damage_inside_the_last_group_is_an_error_not_a_torn_tail(tmp_path, fsyn
     assert contents(d) == before  # records 4..6, intact and acknowledged, are still there
 
 
-def test_damage_to_the_last_synced_record_is_an_error_not_a_torn_tail(tmp_path):
-    """The last record was synced and acknowledged (the sync mark says so): a flipped bit in it is damage, not a
-    crash's torn tail; nothing is cut and the log is refused."""
+def three_synced_records(tmp_path):
+    """A log of three records appended with fsync="always" (the sync mark vouches for all three): (its directory,
+    its one segment, the records' offsets)."""
     d = str(tmp_path / "log")
     with Log(d, fsync="always") as log:
         for i in range(3):
             log.append(b"rec%d" % i * 40)
         offsets = list(log.segments[-1].offsets)
-    seg = segs(d)[0]
+    return d, segs(d)[0], offsets
+
+
+def test_damage_to_the_last_synced_record_is_an_error_not_a_torn_tail(tmp_path):
+    """The last record was synced and acknowledged (the sync mark says so): a flipped bit in it is damage, not a
+    crash's torn tail; nothing is cut and the log is refused."""
+    d, seg, offsets = three_synced_records(tmp_path)
     flip(seg, offsets[2] + HEADER_BYTES + 5)
     before = contents(d)
     for read_only in (False, True):
@@ -311,11 +317,7 @@ def test_damage_to_the_last_synced_record_is_an_error_not_a_torn_tail(tmp_path):
 def test_a_copy_of_a_live_log_cut_inside_its_last_record_opens(tmp_path):
     """A copy made segment by segment while the writer runs can end mid-record while the sync mark, copied later,
     vouches for that record: a record cut short at the end of the file is a torn tail, whatever the mark says."""
-    d = str(tmp_path / "log")
-    with Log(d, fsync="always") as log:
-        for i in range(3):
-            log.append(b"rec%d" % i * 40)
-    seg = segs(d)[0]
+    d, seg, _offsets = three_synced_records(tmp_path)
     os.truncate(seg, os.path.getsize(seg) - 7)
     with Log(d) as log:
         assert log.recovered and log.next_seq == 2
@@ -325,12 +327,7 @@ def test_a_copy_of_a_live_log_cut_inside_its_last_record_opens(tmp_path):
 def test_a_synced_last_record_zeroed_to_the_end_of_the_file_is_a_torn_tail(tmp_path):
     """A disk whose cache ignored a flush can leave the file's length with zeros from inside the last record on:
     not bit rot (which flips bits), so it is cut as a torn tail although the sync mark covers the record."""
-    d = str(tmp_path / "log")
-    with Log(d, fsync="always") as log:
-        for i in range(3):
-            log.append(b"rec%d" % i * 40)
-        offsets = list(log.segments[-1].offsets)
-    seg = segs(d)[0]
+    d, seg, offsets = three_synced_records(tmp_path)
     size = os.path.getsize(seg)
     with open(seg, "r+b") as f:
         f.seek(offsets[2] + HEADER_BYTES + 20)

@@ -26,9 +26,14 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def make_dirs(path: str | os.PathLike[str]) -> None:
+def make_dirs(path: str | os.PathLike[str], *, mkdir: Callable[[str], None] | None = None,
+              sync_dir: Callable[[str], None] | None = None) -> None:
     """``os.makedirs(path, exist_ok=True)``, each directory it creates synced into its parent before this returns (a
-    directory entry is durable only once its parent is synced: nothing inside may be acknowledged before)."""
+    directory entry is durable only once its parent is synced: nothing inside may be acknowledged before).
+    ``mkdir`` and ``sync_dir`` (default ``os.mkdir`` and ``fsync_dir``) let a caller route the calls through its own
+    error handling."""
+    mkdir = mkdir or os.mkdir
+    sync_dir = sync_dir or fsync_dir
     missing, p = [], os.path.abspath(os.fspath(path))
     while not os.path.isdir(p):
         missing.append(p)
@@ -36,9 +41,14 @@ def make_dirs(path: str | os.PathLike[str]) -> None:
         if parent == p:
             break
         p = parent
-    os.makedirs(path, exist_ok=True)
     for d in reversed(missing):
-        fsync_dir(os.path.dirname(d))
+        try:
+            mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+    for d in reversed(missing):
+        sync_dir(os.path.dirname(d))
 
 
 def replace_atomic(path: str | os.PathLike[str], fill: Callable[[int], None]) -> None:

@@ -303,22 +303,22 @@ class CleanupWarning(UserWarning):
     logged to the ``luopan`` logger."""
 
 
+_REMEDIES = {
+    (_errno.ENOSPC, _errno.EDQUOT): "free space on its disk (or raise the quota)",
+    (_errno.EROFS,): "its file system is mounted read-only: remount it read-write, or use another place",
+    (_errno.EACCES, _errno.EPERM): "check the owner and mode of the path (this user may not write there)",
+    (_errno.EFBIG,): "the file is larger than its file system or the process limit allows (e.g. FAT32's 4 GiB): use "
+                     "another file system or raise the limit (ulimit -f)",
+    (_errno.EMFILE, _errno.ENFILE): "too many files are open: raise the limit (ulimit -n) or close other programs",
+    (_errno.ENAMETOOLONG,): "a name on the path is too long for its file system: use a shorter path",
+    (_errno.ENOENT, _errno.ENOTDIR): "a directory on the path is missing or is not a directory: check the path",
+}
+
+
 def os_remedy(code: int | None) -> str:
     """What to do about an OSError with errno ``code`` met while writing: one clause, for messages ("…; {remedy},
     then try again"). The system's own reason is given beside it by the caller."""
-    if code in (_errno.ENOSPC, _errno.EDQUOT):
-        return "free space on its disk (or raise the quota)"
-    if code == _errno.EROFS:
-        return "its file system is mounted read-only: remount it read-write, or use another place"
-    if code in (_errno.EACCES, _errno.EPERM):
-        return "check the owner and mode of the path (this user may not write there)"
-    if code == _errno.EFBIG:
-        return "the file is larger than its file system or the process limit allows (e.g. FAT32's 4 GiB): use " \
-               "another file system or raise the limit (ulimit -f)"
-    if code in (_errno.EMFILE, _errno.ENFILE):
-        return "too many files are open: raise the limit (ulimit -n) or close other programs"
-    if code == _errno.ENAMETOOLONG:
-        return "a name on the path is too long for its file system: use a shorter path"
-    if code in (_errno.ENOENT, _errno.ENOTDIR):
-        return "a directory on the path is missing or is not a directory: check the path"
+    for codes, remedy in _REMEDIES.items():
+        if code in codes:
+            return remedy
     return "check the disk (the system log names the device's errors)"

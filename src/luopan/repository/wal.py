@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from .. import _files
 from ..errors import JournalBusyError, RecordNotFoundError, UsageError
 from ..format.records import (
     HEADER_BYTES,
@@ -41,24 +42,9 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
 def make_dirs(path: str) -> None:
-    """Create ``path`` and its missing parents, each synced into its parent before this returns (a directory entry
-    is durable only once its parent is synced: nothing inside may be acknowledged before)."""
-    missing = []
-    p = path
-    while not os.path.isdir(p):
-        missing.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    for d in reversed(missing):
-        try:
-            _mkdir(d)
-        except FileExistsError:
-            if not os.path.isdir(d):
-                raise
-    for d in reversed(missing):
-        _sync_dir(os.path.dirname(d))
+    """Create ``path`` and its missing parents, each synced into its parent before this returns (``_files.make_dirs``,
+    through this module's ``_mkdir`` and ``_sync_dir``)."""
+    _files.make_dirs(path, mkdir=lambda d: _mkdir(d), sync_dir=lambda d: _sync_dir(d))
 
 
 _REOPEN = "the log refuses appends until it is reopened: {remedy}, then reopen it"
