@@ -175,7 +175,7 @@ class LocalStore(Store):
             raise cls(exc.errno or errno.EIO, f"{key} was written in {self.root}, but syncing its directory failed "
                       f"({exc.strerror or exc}): it may not survive a power loss; "
                       + ("free space (e.g. delete old checkpoints, then run gc) and try again" if full else
-                         "check the disk (the system log names the device's errors), then try again")) from None
+                         f"{os_remedy(exc.errno or errno.EIO)}, then try again")) from None
 
     def _close_after(self, fd: int, key: str, doing: str) -> None:
         """Close ``fd`` once ``key``'s read or write is done: an error now changes nothing (a write's bytes were
