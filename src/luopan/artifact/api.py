@@ -17,17 +17,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import ArtifactNotFoundError, CheckpointExistsError, LuopanError, UsageError
+from ..errors import ArtifactNotFoundError, LuopanError, UsageError
 from ..format.canonical import canonical
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.names import artifact_manifest_key, check_artifact, check_version
 from ..repository.core import RepositoryCore
-from ..repository.locks import locked
 from ..repository.pins import add_pin, read_pins, remove_pin
-from ..repository.preflight import fits, refuse
+from ..repository.preflight import fits
 from ..repository.pruning import prune_series
 from ..retention import Plan, Rules
-from ..store.base import KeyNotFound, retract
+from ..store.base import KeyNotFound
 from ..repository.verify import raise_problems, verify_manifests
 from ..units import format_bytes
 from .checkout import VerifiedReader, checkout, file_refs
@@ -35,8 +34,6 @@ from .kind import ARTIFACTS_KIND
 from .manifest import ARTIFACT_FORMAT_VERSION, parse_artifact_manifest, seal_artifact_manifest
 from .sources import Collected, collect
 from .writer import store_sources
-
-COMMIT_ATTEMPTS = 100  # versions tried when other writers commit the same artifact concurrently
 
 
 @dataclass(frozen=True)
@@ -103,14 +100,10 @@ class Artifact:
         parent_refs = sorted({kind.ref(s, n) for kind, s, n in (repo.resolve(p, "parent") for p in parents or [])})
         meta = _json_object("metadata", metadata)
         collected = collect(what)
-        refuse(repo, repo.space_margin, self._estimate(collected), f"commit artifact {self.name!r}")
-        repo.require_format(ARTIFACT_FORMAT_VERSION)
-        with locked(repo.store, "shared", f"commit of artifact {self.name}", timeout=repo.lock_timeout,
-                    where=repo.where):
-            with repo.tier.saving() if repo.tier is not None else _Null():
-                stored = store_sources(repo.store, repo.config, repo.chunk_index(), repo._intact_packs,
-                                       collected.files, progress)
-            repo.learned(stored.new_locations, stored.index_key)
+        with repo.transaction(ARTIFACTS_KIND, self.name, None, what=f"commit of artifact {self.name}",
+                              estimate=self._estimate(collected), format_version=ARTIFACT_FORMAT_VERSION) as tx:
+            stored = store_sources(tx.chunks(progress=progress, crash_label="artifact.chunk.written", copy_raw=True),
+                                   collected.files)
             pack_ids: dict[str, int] = {}
             entries: list[dict[str, Any]] = [{"path": p, "type": "dir", "mode": m} for p, m in collected.dirs]
             for src, rows in zip(collected.files, stored.rows):
@@ -131,9 +124,9 @@ class Artifact:
                           "new_chunks": stored.new_chunks, "new_bytes": stored.new_bytes,
                           "stored_bytes": stored.stored_bytes, "new_packs": stored.new_packs},
             }
-            version, key = self._put_next(doc)
-        if repo.tier is not None:
-            repo.tier.committed(ARTIFACTS_KIND, self.name, version)
+            tx.put_next(lambda version: self._seal(doc, version), (self.numbers() or [0])[-1] + 1)
+        key = tx.manifest_key
+        assert key is not None
         return ArtifactVersion.from_doc(doc, key)
 
     def _estimate(self, collected: Collected) -> int:
@@ -149,32 +142,13 @@ class Artifact:
             return sum(s.size for s in collected.files if (s.path, s.size) not in before)
         return total
 
-    def _put_next(self, doc: dict[str, Any]) -> tuple[int, str]:
-        """Commit ``doc`` as the next free version (put_if_absent: a version is never overwritten)."""
-        store = self.repo.store
-        version = (self.numbers() or [0])[-1] + 1
-        for _ in range(COMMIT_ATTEMPTS):
-            # A version that lives only on another tier (evicted, moved cold) is not listed here when that tier
-            # cannot be reached; exists() answers from the local tier's records, so its number is never reused.
-            while store.exists(artifact_manifest_key(self.name, version)):
-                version += 1
-            doc["version"] = version
-            data = seal_artifact_manifest(doc)
-            if len(data) > MAX_MANIFEST_BYTES:
-                raise UsageError(f"the manifest of artifact {self.name!r} would be {format_bytes(len(data))}, more "
-                                 f"than readers accept ({format_bytes(MAX_MANIFEST_BYTES)}): split it into several "
-                                 "artifacts")
-            key = artifact_manifest_key(self.name, version)
-            try:
-                placed = store.put_if_absent(key, data)
-            except OSError:
-                retract(store, key, data)  # a commit that fails leaves no version behind (store.base.retract)
-                raise
-            if placed:
-                return version, key
-            version += 1  # another writer committed this version meanwhile
-        raise CheckpointExistsError(f"artifact {self.name!r}: {COMMIT_ATTEMPTS} versions were committed by others "
-                                    "during this commit; commit again")
+    def _seal(self, doc: dict[str, Any], version: int) -> bytes:
+        doc["version"] = version
+        data = seal_artifact_manifest(doc)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise UsageError(f"the manifest of artifact {self.name!r} would be {format_bytes(len(data))}, more than "
+                             f"readers accept ({format_bytes(MAX_MANIFEST_BYTES)}): split it into several artifacts")
+        return data
 
     # -- reading ------------------------------------------------------------------------------------------------
     def numbers(self) -> list[int]:
@@ -278,14 +252,6 @@ class Artifacts(RepositoryCore):
     def artifact_names(self) -> list[str]:
         """Names of the artifacts with at least one committed version, sorted."""
         return ARTIFACTS_KIND.scan(self.store, None, False).runs
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _json_object(name: str, value: Any) -> dict[str, Any]:

@@ -3,15 +3,14 @@ repository, packed, then indexed (docs/format.md §5.3, §10)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from pyfastcdc import FastCDC
 
-from ..format.config import RepoConfig
-from ..format.pack import BlobLocation
-from ..repository.chunkstore import BufferPool, Stored, store_chunks
-from ..store.base import Store
+from ..repository.arenas import BufferPool
+from ..repository.chunkstore import Stored, store_chunks
+from ..repository.chunkwriter import ChunkWriter
 from .sources import Source
 
 # FastCDC sizes (docs/format.md §5.3): an insertion costs its own bytes plus about two average chunks around it.
@@ -67,14 +66,11 @@ def cdc_chunks(stream: BinaryIO, size_hint: int | None = None, pool: BufferPool 
             yield view[off : off + length]
 
 
-def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocation],
-                  intact: dict[str, tuple[int, ...]], sources: list[Source],
-                  progress: Callable[[int], Any] | None = None) -> Stored:
-    """Write the chunks of every file source the repository lacks (packs, then one index file). On failure before
-    the index file is visible, the packs written are deleted again (nothing can reference them yet)."""
+def store_sources(chunks: ChunkWriter, sources: list[Source]) -> Stored:
+    """Write the chunks of every file source the repository lacks through ``chunks`` (packs, then one index file)."""
     buffers = BufferPool()
 
-    def chunks() -> Iterator[tuple[int, memoryview]]:
+    def produce() -> Iterator[tuple[int, memoryview]]:
         for i, src in enumerate(sources):
             if src.size == 0 and src.data is None:
                 continue
@@ -82,5 +78,4 @@ def store_sources(store: Store, config: RepoConfig, known: dict[str, BlobLocatio
                 for chunk in cdc_chunks(f, src.size, buffers):
                     yield i, chunk
 
-    return store_chunks(store, config, known, intact, chunks, len(sources), progress=progress,
-                        crash_label="artifact.chunk.written")
+    return store_chunks(chunks, produce, len(sources))

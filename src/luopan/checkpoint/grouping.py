@@ -12,11 +12,11 @@ from ..format.config import RepoConfig
 from ..format.groups import (GROUP_MIN_ENTRIES, GROUPS_FORMAT_VERSION, MAX_GROUP_BYTES, group_blob, plan_groups,
                              with_pack_ids)
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.pack import BlobLocation, PackBuilder
+from ..format.pack import BlobLocation
 from ..errors import LuopanError
 from ..repository.blobcodec import zstd_blob
 from ..repository.chunkio import ChunkRef, read_chunk
-from ..repository.packwriter import PackChecker, PackWriter
+from ..repository.chunkwriter import ChunkWriter
 from .writectx import WriteContext
 
 GROUP_LEVEL = 9  # zstd level of group blobs: a few KiB each, coded once and named by many manifests (as manifests: §4)
@@ -69,21 +69,14 @@ class GroupStore:
     """The save pipeline's step that stores a manifest's entry groups (part of save._CheckpointWriter)."""
 
     ctx: WriteContext
-    writer: PackWriter
-    checker: PackChecker
-    new: dict[str, tuple[PackBuilder, int, int, int, str]]
-    new_locations: dict[str, BlobLocation]
-    new_bytes: int
-
-    def _located(self) -> None:  # the writer's: record where its new chunks landed once their packs are written
-        raise NotImplementedError
+    chunks: ChunkWriter
 
     def _intact(self, h: str, loc: BlobLocation) -> bool:
         """Whether a stored group blob may be named again: its pack intact, and the blob itself read back and checked
         (a few KiB; a damaged group would make every manifest naming it unreadable, not just one entry)."""
-        if not self.checker.reusable(loc):
+        if not self.chunks.checker.reusable(loc):
             return False
-        signature = self.checker.intact.get(loc.pack)
+        signature = self.chunks.checker.intact.get(loc.pack)
         if signature is not None and self.ctx.checked_groups.get(h) == (loc.pack, loc.offset, signature):
             return True  # read back by an earlier save of this process, and its pack has not changed since
         try:
@@ -103,17 +96,14 @@ class GroupStore:
         if not blobs or max(sizes) > MAX_GROUP_BYTES or sum(sizes) > MAX_MANIFEST_BYTES:
             return doc  # none, or what a reader would refuse (plan_groups keeps far below): inline, as before
         for h, raw, _x, _members in blobs:
-            loc = self.new_locations.get(h) or self.ctx.known.get(h)
-            if loc is None or (h not in self.new_locations and not self._intact(h, loc)):
+            loc = self.chunks.new_locations.get(h) or self.ctx.known.get(h)
+            if loc is None or (h not in self.chunks.new_locations and not self._intact(h, loc)):
                 codec, stored = zstd_blob(raw, GROUP_LEVEL)
-                builder, off = self.writer.add(h, memoryview(stored), len(raw), codec)
-                self.new[h] = (builder, off, len(stored), len(raw), codec)
-                self.new_bytes += len(raw)
-        self.writer.finish()
-        self._located()
-        rows = [(h, self.new_locations.get(h) or self.ctx.known[h], x) for h, _raw, x, _m in blobs]
+                self.chunks.add(h, memoryview(stored), len(raw), codec)
+        self.chunks.flush()
+        rows = [(h, self.chunks.location(h), x) for h, _raw, x, _m in blobs]
         file_doc = apply_groups(doc, rows, {i for b in blobs for i in b[3]})
-        doc["stats"].update(chunks=doc["stats"]["chunks"] + len(rows), new_chunks=len(self.new),
-                            new_bytes=self.new_bytes, stored_bytes=self.writer.stored_bytes,
-                            new_packs=len(self.writer.written))
+        doc["stats"].update(chunks=doc["stats"]["chunks"] + len(rows), new_chunks=self.chunks.new_chunks,
+                            new_bytes=self.chunks.new_bytes, stored_bytes=self.chunks.stored_bytes,
+                            new_packs=self.chunks.new_packs)
         return file_doc

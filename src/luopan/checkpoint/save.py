@@ -9,23 +9,17 @@ from datetime import datetime, timezone
 from collections.abc import Iterator
 from typing import Any
 
-import blake3
-import xxhash
-
 from .. import typed
-from .._crash import crashpoint
+from ..errors import CheckpointExistsError, IntegrityError, LuopanError
 from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION
-from ..errors import IntegrityError, LuopanError
 from ..format.chunking import chunk_spans
-from ..format.index import build_index
 from ..format.manifest import Row, encode_metrics, structure_fingerprint, uses_new_codecs
-from ..format.names import index_key
-from ..format.pack import BlobLocation, PackBuilder
-from .environment import code_version, environment
-from ..repository.parallel import WORKERS, ordered_map
+from ..format.names import manifest_key
 from ..repository.blobcodec import encode_blob
-from ..repository.packwriter import PackChecker, PackWriter, exists_quietly
-from .commit import commit_manifest
+from ..repository.chunkwriter import ChunkWriter, Item
+from ..repository.parallel import WORKERS
+from .commit import seal_checkpoint, write_latest_ref
+from .environment import code_version, environment
 from .grouping import GroupStore
 from .trackstate import TrackUpdates
 from .request import SaveRequest
@@ -33,9 +27,6 @@ from .writectx import SaveResult, WriteContext
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
 from .deltaplan import BaseReadError, PlanContext, base_scratch, plan_entry, xor_into, zero_chunk
 from .rowdelta import Decision
-
-# A chunk to store: (target, bytes, previous row, precomputed XXH3, base chunk to XOR with).
-Item = tuple[int, memoryview, "list[Any] | None", "str | None", "tuple[str, int, str] | None"]
 
 # Chunks below this are hashed on the calling thread: handing a small chunk to a worker costs more than hashing
 # it (a LoRA re-save of 2,000 small tensors spent 0.18 s waiting on worker handoffs).
@@ -57,7 +48,7 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
     of ``unchanged`` were not copied and must not be read: if their previous chunks are gone, the save fails.
     """
     for _attempt in range(len(req.leaves) + 2):  # each retry stops using at least one more damaged base
-        w = _CheckpointWriter(ctx, req)
+        w = _CheckpointWriter(ctx, req, ctx.chunks())
         w.reuse_unchanged()
         try:
             w.store_chunks()
@@ -69,7 +60,7 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
         try:
             doc = w.manifest()
         except BaseException:
-            w.abandon()  # its packs are not indexed yet: nothing can reference them
+            w.chunks.abandon()  # its packs are not indexed yet: nothing can reference them
             raise
         return w.commit(doc, w.store_index(doc))
     raise LuopanError(f"run {req.run!r} step {req.step}: delta bases kept failing to read; run `luopan verify`")
@@ -79,18 +70,12 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
     """One save in four stages: reuse unchanged entries, store the chunks the store lacks (packs, then the index
     file), build the manifest, commit it (then the ref)."""
 
-    def __init__(self, ctx: WriteContext, req: SaveRequest) -> None:
+    def __init__(self, ctx: WriteContext, req: SaveRequest, chunks: ChunkWriter) -> None:
         self.ctx, self.req = ctx, req
-        self.writer = PackWriter(ctx.store, ctx.config.pack_size, ctx.intact_packs)
-        self.checker = PackChecker(ctx.store, ctx.intact_packs)
-        # hash -> (builder, offset, stored length, raw size, codec) for chunks this save adds
-        self.new: dict[str, tuple[PackBuilder, int, int, int, str]] = {}
-        self.new_bytes = 0
-        self.new_locations: dict[str, BlobLocation] = {}
-        self.index_name: str | None = None
-        # Chunks per target: targets 0..len(leaves)-1 are the entries (for a row delta: its base chunks), later ones
-        # the index and values of row deltas. Each chunk is (hash, raw size, xxh3).
-        self.rows: list[list[tuple[str, int, str]]] = []
+        # The chunk writer: hash, dedup, pack, index (and the crash rule). Its targets 0..len(leaves)-1 are the
+        # entries (for a row delta: its base chunks), later ones the index and values of row deltas; ``rows[t]``
+        # lists target t's chunks as (hash, raw size, xxh3).
+        self.chunks = chunks
         self.deltas: dict[int, tuple[int, int, int, int]] = {}  # entry -> (base step, rows, index/values targets)
         # Patch segments (§5.2, format 7): entry -> rows of each segment, for the manifest (one segment: absent), and
         # entry -> (rows, index chunks, values chunks) of each segment this save planned, for its track.
@@ -98,7 +83,6 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         self.segment_chunks: dict[int, list[tuple[int, int, int]]] = {}
         self.decisions: dict[int, Decision] = {}
         self.xors: dict[int, tuple[int, int]] = {}  # entry -> (base step, target of its XOR chunks)
-        self.stored_by_target: dict[int, int] = {}  # bytes of new blobs per target (what an XOR delta cost)
         self.sizes = PackSizes(ctx.store)
         self.skipped: set[int] = set()
         self.entries: list[dict[str, Any]] = []
@@ -111,13 +95,17 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
             if leaf.alias_of is not None:
                 e["alias_of"] = leaf.alias_of
             self.entries.append(e)
-            self.rows.append([])
-            self.itemsizes.append(leaf.itemsize)
+            chunks.target(leaf.itemsize)
+
+    # the chunk writer's state, by the names the save's stages use
+    rows = property(lambda self: self.chunks.rows)
+    new = property(lambda self: self.chunks.new)
+    new_locations = property(lambda self: self.chunks.new_locations)
+    stored_by_target = property(lambda self: self.chunks.stored_by_target)  # what an XOR delta cost
+    checker = property(lambda self: self.chunks.checker)
 
     def _target(self, itemsize: int = 0) -> int:
-        self.rows.append([])
-        self.itemsizes.append(itemsize)
-        return len(self.rows) - 1
+        return self.chunks.target(itemsize)
 
     def _usable(self, chunks: list[tuple[str, int, str]]) -> bool:
         known, bad = self.ctx.known, self.ctx.bad_bases
@@ -220,7 +208,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
                     for k, (off, length) in enumerate(spans):
                         if dec.same is not None and dec.same[k]:  # equal to the base: its XOR is zeros
                             zh, zx, zeros = zero_chunk(length)
-                            yield xt, zeros, [zh, 0, 0, length, length, "none", zx], zx, None
+                            yield xt, zeros, (zh, length, zx), zx, None
                         else:
                             yield xt, data[off : off + length], None, None, base[k]
                     continue
@@ -228,7 +216,8 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
                 if dec.hashes is not None:  # BLAKE3 computed by the plan: reuse it
                     prev = [[h, 0, 0, n, n, "none", x] for h, (_o, n), x in zip(dec.hashes, spans, xs)]
             for k, (off, length) in enumerate(spans):
-                yield (i, data[off : off + length], prev[k] if k < len(prev) else None,
+                r = prev[k] if k < len(prev) else None  # XXH3 reuse (§5.1): (blake3, size, xxh3) of that row
+                yield (i, data[off : off + length], (r[0], r[4], r[6]) if r is not None else None,
                        xs[k] if xs is not None else None, None)
 
     def _segments(self, i: int, base_step: int, it: int, vt: int, layout: list[tuple[int, int, int]]) -> None:
@@ -254,86 +243,26 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
             raise BaseReadError(h, exc) from exc
         return buf
 
-    def _work(self, item: Item) -> tuple[int, str, memoryview, int, str, str]:
-        i, view, prev, x, base = item
-        if base is not None:  # an XOR delta chunk: this content XOR the base chunk at the same place, computed in
-            view = xor_into(view, self._read_base(base, 0), in_place=True)  # this thread's scratch (copied if kept)
-        if x is None:
-            x = xxhash.xxh3_128_hexdigest(view)  # ~2x BLAKE3's speed here: the cheap change detector
-        if prev is not None and prev[6] == x and prev[4] == len(view):
-            h = prev[0]  # unchanged since the previous save: its content address stands
-        else:
-            h = blake3.blake3(view).hexdigest()
-        if h not in self.ctx.known:
-            codec, stored = encode_blob(view, self.ctx.config.compression, self._itemsize(i), fast=base is not None)
-            if base is not None and codec == "none":
-                stored = memoryview(bytes(stored))  # the scratch is reused by this thread's next chunk
-            return i, h, stored, len(view), codec, x
-        return i, h, view if base is None else memoryview(bytes(view)), len(view), "none", x
-
-    def _itemsize(self, target: int) -> int:
-        """Element width of a target's bytes for the float codec (0: unknown)."""
-        return self.itemsizes[target] if target < len(self.itemsizes) else 0
+    def _xor(self, item: Item) -> memoryview:
+        """A delta item's bytes: this content XOR the base chunk at the same place, in this thread's scratch."""
+        return xor_into(item[1], self._read_base(item[4], 0), in_place=True)
 
     def store_chunks(self) -> None:
         """Hash every chunk on both cores and write those the store lacks into packs (their index file follows the
         manifest's entry groups: ``store_index``). On failure the packs written are deleted again."""
-        known, writer = self.ctx.known, self.writer
-        pool = ThreadPoolExecutor(WORKERS, "luopan-hash")
-        try:
-            with pool:
-                for i, h, stored, size, blob_codec, x in ordered_map(
-                        pool, self._work, self._items(pool), window=2 * WORKERS,
-                        inline=lambda item: len(item[1]) < INLINE_BYTES, group=lambda item: len(item[1]),
-                        group_size=GROUP_BYTES):
-                    self.rows[i].append((h, size, x))
-                    if self.ctx.progress is not None:
-                        self.ctx.progress(size)
-                    if h in self.new:
-                        continue
-                    if h in known:
-                        if self.checker.reusable(known[h]):
-                            continue
-                        del known[h]  # stale index entry: store the chunk again
-                    builder, off = writer.add(h, stored, size, blob_codec)
-                    self.new[h] = (builder, off, len(stored), size, blob_codec)
-                    self.new_bytes += size
-                    self.stored_by_target[i] = self.stored_by_target.get(i, 0) + len(stored)
-                    crashpoint("chunk.written")
-            writer.finish()
-        except BaseException:
-            self.abandon()
-            raise
-        self._located()
-
-    def _located(self) -> None:
-        for h, (builder, off, length, size, blob_codec) in self.new.items():
-            if h not in self.new_locations:
-                assert builder.pack_id is not None
-                self.new_locations[h] = BlobLocation(builder.pack_id, off, length, size, blob_codec)
-
-    def abandon(self) -> None:
-        self.writer.close()
-        # Once the index is visible (even if its put then failed, e.g. in the directory fsync) other writers may
-        # dedup against these packs: from then on they are left to garbage collection, never deleted here.
-        if self.index_name is None or not exists_quietly(self.ctx.store, self.index_name):
-            self.writer.discard()
+        with ThreadPoolExecutor(WORKERS, "luopan-plan") as pool:  # row-delta planning compares rows on it
+            self.chunks.write(self._items(pool), prepare=self._xor, inline_bytes=INLINE_BYTES,
+                              group_bytes=GROUP_BYTES)
 
     def store_index(self, doc: dict[str, Any]) -> dict[str, Any]:
         """Store the manifest's entry groups the store lacks (§8.5; a grouped manifest only), then the index file
         naming every pack this save wrote. Returns the document to seal (``doc`` keeps its entries)."""
-        store, writer = self.ctx.store, self.writer
         try:
             file_doc = self.store_groups(doc)
-            if writer.written:
-                index_id, index_bytes = build_index(
-                    writer.written, compress=self.ctx.config.format_version >= ENGINE2_FORMAT_VERSION)
-                self.index_name = index_key(index_id)
-                store.put_if_absent(self.index_name, index_bytes)
         except BaseException:
-            self.abandon()
+            self.chunks.abandon()
             raise
-        writer.close()
+        self.chunks.write_index()
         if self.ctx.started is not None:  # sealed with the manifest: its commit follows at once (§8)
             took = max(0.0, time.monotonic() - self.ctx.started)
             stall = took if self.ctx.stall is None else min(took, max(0.0, self.ctx.stall))
@@ -389,10 +318,10 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
             "stats": {
                 "logical_bytes": sum(e["nbytes"] for e in entries if "alias_of" not in e),
                 "chunks": sum(len(r) for r in rows),
-                "new_chunks": len(self.new),
-                "new_bytes": self.new_bytes,
-                "stored_bytes": self.writer.stored_bytes,
-                "new_packs": len(self.writer.written),
+                "new_chunks": self.chunks.new_chunks,
+                "new_bytes": self.chunks.new_bytes,
+                "stored_bytes": self.chunks.stored_bytes,
+                "new_packs": self.chunks.new_packs,
             },
         }
         code = code_version()
@@ -404,8 +333,14 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
 
     # -- stage 4 ----------------------------------------------------------------------------------------------
     def commit(self, doc: dict[str, Any], file_doc: dict[str, Any]) -> SaveResult:
-        """Commit the manifest (``file_doc``, the sealed form of ``doc``: the checkpoint exists from here on), then
-        point the run's ref at it."""
-        mkey = commit_manifest(self.ctx.store, self.req.run, self.req.step, self.req.overwrite, file_doc,
-                               compress=self.ctx.config.format_version >= ENGINE2_FORMAT_VERSION)
-        return SaveResult(mkey, doc, self.new_locations, self.index_name, self.tracks())
+        """Commit the manifest (``file_doc``, the sealed form of ``doc``: the checkpoint exists from here on) through
+        the write transaction, then point the run's ref at it."""
+        req = self.req
+        raw, data = seal_checkpoint(file_doc, req.run, req.step,
+                                    self.ctx.config.format_version >= ENGINE2_FORMAT_VERSION)
+        if not self.ctx.commit(data, req.overwrite):
+            raise CheckpointExistsError(f"run {req.run!r} step {req.step} was committed by another writer during this "
+                                        "save; pass overwrite=True to replace it")
+        write_latest_ref(self.ctx.store, req.run, req.step, raw)
+        return SaveResult(manifest_key(req.run, req.step), doc, self.chunks.new_locations, self.chunks.index_key,
+                          self.tracks())

@@ -3,7 +3,6 @@ shared lock (docs/format.md §9.2, §10)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import threading
@@ -30,8 +29,7 @@ from ..format.chunking import chunk_spans
 from ..format.manifest import Manifest, Row, encode_metrics
 from ..format.names import check_run, check_step, manifest_key
 from ..repository.core import RepositoryCore
-from ..repository.locks import locked
-from ..repository.packwriter import PackChecker
+from ..repository.transaction import Transaction
 from ..repository.preflight import fits, refuse
 from ..tree import flatten
 from .info import CheckpointInfo, SaveHandle
@@ -186,7 +184,7 @@ class Saving(RepositoryCore):
         # The only stall: one copy into reused host memory of everything tier 1 (trust_versions) cannot reuse for
         # certain. Reusability is decided now, while the caller waits: the background save never reads live state.
         if plan.unchanged:  # never while a save is in flight (_prepare): it decides against committed saves only
-            checker = PackChecker(self.store, self._intact_packs)
+            checker = self.pack_checker()
             known = self.chunk_index()
             previous = self._previous_rows(run)
             plan.unchanged = frozenset(i for i in plan.unchanged
@@ -299,42 +297,41 @@ class Saving(RepositoryCore):
         return total
 
     def _commit(self, plan: SaveRequest, timing: _Timing | None = None) -> CheckpointInfo:
-        # A shared lock: saves run side by side, prune/gc wait for them (and they for prune/gc), docs/format.md §9.2.
         started, stall, show = timing if timing is not None else (time.monotonic(), None, None)
         progress = SaveProgress(plan.run, plan.step, _logical(plan), started=started, background=stall is not None,
                                 enabled=self.progress if show is None else bool(show))
         try:
-            with locked(self.store, "shared", f"save of {plan.run} step {plan.step}", timeout=self.lock_timeout,
-                        where=self.where):
-                info = self._commit_locked(plan, started, stall, progress)
+            # The write transaction: a shared lock (saves run side by side, prune/gc wait for them, §9.2), the
+            # chunk writers, the manifest put, then the commit listeners (tiering queues the replication). The
+            # space preflight ran when the save was requested (_prepare): save_async refuses before it returns.
+            with self.transaction(CHECKPOINTS, plan.run, plan.step, what=f"save of {plan.run} step {plan.step}") as tx:
+                info = self._commit_locked(plan, started, stall, progress, tx)
         finally:
             progress.close()
         progress.finish(info)
         return info
 
     def _commit_locked(self, plan: SaveRequest, started: float, stall: float | None,
-                       progress: SaveProgress) -> CheckpointInfo:
+                       progress: SaveProgress, tx: Transaction) -> CheckpointInfo:
         # The run's record, once (docs/format.md §8.1): built while the chunks are written, written after them
         # (also when the save fails, as before). A record is context: it never fails or masks a save.
         record = self._start_record(plan.run) if plan.run not in self._recorded else None
         try:
             newest = self._newest_on_disk(plan.run)
-            context = WriteContext(self.store, self.config, self.chunk_index(), self._previous_rows(plan.run),
-                                   self._delta_tracks(plan.run, newest), self.delta_policy, self._intact_packs,
-                                   self._bad_bases, started, stall, progress.advance,
+            context = WriteContext(self.store, self.config, self.chunk_index(),
+                                   lambda: tx.chunks(progress=progress.advance),
+                                   lambda data, overwrite: tx.put_manifest(data, overwrite=overwrite),
+                                   self._previous_rows(plan.run), self._delta_tracks(plan.run, newest),
+                                   self.delta_policy, self._bad_bases, started, stall, progress.advance,
                                    self._grouping_basis(plan.run, newest), self._checked_groups)
-            with self.tier.saving() if self.tier is not None else contextlib.nullcontext():  # replication pauses
-                result = write_checkpoint(context, plan)
+            result = write_checkpoint(context, plan)
         except BaseException:
             self._finish_record(plan.run, record)
             raise
-        self.learned(result.new_locations, result.index_key)
         self._previous[plan.run] = entries_by_path(result.doc)
         self._grouping[plan.run] = grouping_basis(result.doc) if wants_groups(self.config, result.doc) else {}
         self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
-        if self.tier is not None:
-            self.tier.committed(CHECKPOINTS, plan.run, plan.step)  # queue it for background replication
         self._finish_record(plan.run, record)
         return CheckpointInfo.from_manifest(Manifest(result.doc), result.manifest_key)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..format.config import RepoConfig
 from ..format.pack import BlobLocation
+from ..repository.chunkwriter import ChunkWriter
 from ..store.base import Store
 from .rowdelta import DeltaPolicy, RowTrack
 
@@ -29,16 +30,17 @@ class WriteContext:
     store: Store
     config: RepoConfig
     known: dict[str, BlobLocation]  # chunk hash -> location, from the index files
+    chunks: Callable[[], ChunkWriter]  # a chunk writer of the save's transaction (one per attempt)
+    commit: Callable[[bytes, bool], bool]  # the transaction's manifest put: (sealed bytes, overwrite) -> placed
     previous: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> entry of this run's previous save
     tracks: dict[str, RowTrack] = field(default_factory=dict)  # path -> row-delta state (docs/format.md §5.2)
     policy: DeltaPolicy = field(default_factory=DeltaPolicy)
-    intact_packs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pack id -> signature when found intact
     bad_bases: set[str] = field(default_factory=set)  # chunks that failed verification when read back as a base
     started: float | None = None  # time.monotonic() of the save call: the manifest records the save's duration
     stall: float | None = None  # seconds save_async blocked its caller (None: a synchronous save, blocked throughout)
     progress: Callable[[int], None] | None = None  # called with the bytes of each chunk hashed
     # path -> entry (rows naming pack ids) of the run's previous save: unchanged entries keep sharing entry groups (§8.5)
     grouping: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # group hash -> (pack id, offset, that pack's signature in intact_packs) when the blob was last read back and
+    # group hash -> (pack id, offset, that pack's signature as found intact) when the blob was last read back and
     # found intact (§8.5): named again without a read while the pack stays as it was (shared across saves)
     checked_groups: dict[str, tuple[str, int, tuple[int, ...]]] = field(default_factory=dict)

@@ -88,7 +88,7 @@ class Reuse:
 
     def _chunks_there(self, entry: dict[str, Any]) -> bool:
         if self.checker is None:
-            self.checker = PackChecker(self.repo.store, self.repo._intact_packs)
+            self.checker = self.repo.pack_checker()
             self.known = self.repo.chunk_index()
         known = self.known or {}
         for r in entry["chunks"]:

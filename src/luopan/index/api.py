@@ -22,7 +22,6 @@ import numpy as np
 
 from ..errors import (
     ArgumentTypeError,
-    CheckpointExistsError,
     CleanupWarning,
     LuopanError,
     ManifestNotFoundError,
@@ -35,10 +34,9 @@ from ..format.names import check_step
 from ..repository.core import RepositoryCore
 from ..repository.locks import locked
 from ..repository.pins import add_pin, read_pins, remove_pin
-from ..repository.preflight import refuse
 from ..repository.verify import raise_problems, verify_manifests
 from ..retention import Checkpoint, KeepLast, parse_time, plan
-from ..store.base import KeyNotFound, retract
+from ..store.base import KeyNotFound
 from .extents import write_arrays
 from .ivf import arrays as ivf_arrays
 from .ivf import plan_segments
@@ -55,7 +53,6 @@ from .manifest import (
 )
 from .oplog import OpLog, apply, check_ids, check_vectors, encode
 
-COMMIT_ATTEMPTS = 100
 EXTENT_CHUNK_MAX = 4 << 20  # extents are cut at the repository's chunk size, at most this
 
 
@@ -223,16 +220,12 @@ class IndexStore:
             arrays.extend(ivf_arrays(lists, counts))
         logical = sum(math.prod(shape) * np.dtype(dtype).itemsize for _p, _a, dtype, shape in arrays)
         estimate = max(0, logical - (previous["stats"]["logical_bytes"] if previous else 0)) + (1 << 20)
-        refuse(repo, repo.space_margin, estimate, f"snapshot index {self.name!r}")
-        repo.require_format(INDEX_FORMAT_VERSION)
         chunk = min(repo.config.chunk_size, EXTENT_CHUNK_MAX)
         prev_entries = {e["path"]: e for e in previous["entries"]} if previous else {}
-        with locked(repo.store, "shared", f"snapshot of index {self.name}", timeout=repo.lock_timeout,
-                    where=repo.where):
-            with repo.tier.saving() if repo.tier is not None else contextlib.nullcontext():
-                written = write_arrays(repo.store, repo.config, repo.chunk_index(), repo._intact_packs, arrays,
-                                       prev_entries, previous["packs"] if previous else [], chunk)
-            repo.learned(written.new_locations, written.index_key)
+        with repo.transaction(INDEX_KIND, self.name, None, what=f"snapshot of index {self.name}", estimate=estimate,
+                              format_version=INDEX_FORMAT_VERSION) as tx:
+            written = write_arrays(tx.chunks(crash_label="index.chunk.written", copy_raw=True), arrays, prev_entries,
+                                   chunk)
             doc: dict[str, Any] = {
                 "format_version": INDEX_FORMAT_VERSION, "kind": "index", "name": self.name, "version": 0,
                 "created": datetime.now(timezone.utc).isoformat(), "layout": parts.layout,
@@ -243,7 +236,8 @@ class IndexStore:
                           "new_bytes": written.new_bytes, "chunks": written.chunks,
                           "new_chunks": written.new_chunks, "new_packs": written.new_packs},
             }
-            version = self._put_next(doc)
+            version, data = tx.put_next(lambda n: self._seal(doc, n), (self.versions() or [0])[-1] + 1)
+            self.last_manifest_checksum = sealed_checksum(data)
             log_start = self._oplog.next_seq()
             self._set_current(version)
             try:  # the snapshot is live: trimming the ops it holds is cleanup, never a failed snapshot
@@ -253,8 +247,6 @@ class IndexStore:
                        f"trimmed ({exc}); the ops it holds are not replayed on it, and the next snapshot trims them")
                 logging.getLogger("luopan").warning("%s", msg)
                 warnings.warn(msg, CleanupWarning, stacklevel=2)
-        if repo.tier is not None:
-            repo.tier.committed(INDEX_KIND, self.name, version)
         return version
 
     def _previous(self) -> dict[str, Any] | None:
@@ -265,28 +257,12 @@ class IndexStore:
         except LuopanError:
             return None
 
-    def _put_next(self, doc: dict[str, Any]) -> int:
-        store = self.repo.store
-        version = (self.versions() or [0])[-1] + 1
-        for _ in range(COMMIT_ATTEMPTS):
-            while store.exists(index_manifest_key(self.name, version)):
-                version += 1
-            doc["version"] = version
-            data = seal_index_manifest(doc)
-            if len(data) > MAX_MANIFEST_BYTES:
-                raise UsageError(f"the manifest of index {self.name!r} would exceed {MAX_MANIFEST_BYTES} bytes")
-            key = index_manifest_key(self.name, version)
-            try:
-                placed = store.put_if_absent(key, data)
-            except OSError:
-                retract(store, key, data)  # a snapshot that fails leaves no version behind (store.base.retract)
-                raise
-            if placed:
-                self.last_manifest_checksum = sealed_checksum(data)
-                return version
-            version += 1
-        raise CheckpointExistsError(f"index {self.name!r}: {COMMIT_ATTEMPTS} versions were committed by others "
-                                    "during this snapshot; snapshot again")
+    def _seal(self, doc: dict[str, Any], version: int) -> bytes:
+        doc["version"] = version
+        data = seal_index_manifest(doc)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise UsageError(f"the manifest of index {self.name!r} would exceed {MAX_MANIFEST_BYTES} bytes")
+        return data
 
     # -- reading ----------------------------------------------------------------------------------------------------
     def load(self, version: int | None = None) -> Any:

@@ -19,7 +19,7 @@ from ..format.manifest import Row
 from ..format.pack import BlobLocation
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk, read_chunks
 from ..repository.chunkstore import store_chunks
-from ..repository.packwriter import PackChecker
+from ..repository.chunkwriter import ChunkWriter
 from ..repository.parallel import WORKERS
 from ..store.base import Store
 
@@ -132,15 +132,12 @@ def plan_extents(buf: Gathered, previous: list[list[Any]], chunk: int,
     return pieces
 
 
-def write_arrays(store: Store, config: Any, known: dict[str, BlobLocation], intact: dict[str, tuple[int, ...]],
-                 arrays: list[tuple[str, np.ndarray | Gathered, str, list[int]]], previous: dict[str, dict[str, Any]],
-                 previous_packs: list[str], chunk: int) -> Written:
-    """Store ``arrays`` (path, array) as manifest entries, reusing the ``previous`` version's entries by path."""
-    checker = PackChecker(store, intact)
-
+def write_arrays(chunks: ChunkWriter, arrays: list[tuple[str, np.ndarray | Gathered, str, list[int]]],
+                 previous: dict[str, dict[str, Any]], chunk: int) -> Written:
+    """Store ``arrays`` (path, array) as manifest entries through ``chunks``, reusing the ``previous`` version's
+    entries by path."""
     def reusable(r: Row) -> bool:
-        loc = known.get(r.hash)
-        return loc is not None and checker.reusable(loc)
+        return chunks.reusable(r.hash)
 
     plans: list[tuple[str, str, list[int], list[Piece]]] = []
     new: list[tuple[Gathered, Piece]] = []
@@ -159,7 +156,7 @@ def write_arrays(store: Store, config: Any, known: dict[str, BlobLocation], inta
         for buf, p in new:
             yield p.source, buf.view(p.offset, p.size)
 
-    stored = store_chunks(store, config, known, intact, produce, len(new), crash_label="index.chunk.written")
+    stored = store_chunks(chunks, produce, len(new))
     pack_ids: dict[str, int] = {}
     out = Written([], [])
     for path, dtype, shape, pieces in plans:
@@ -169,7 +166,7 @@ def write_arrays(store: Store, config: Any, known: dict[str, BlobLocation], inta
                 h, size, x = p.row.hash, p.row.size, p.row.xxh3
             else:
                 (h, size, x), = stored.rows[p.source]
-            loc = stored.locations.get(h) or known[h]
+            loc = chunks.location(h)
             rows.append([h, pack_ids.setdefault(loc.pack, len(pack_ids)), loc.offset, loc.length, size, loc.codec, x])
         out.entries.append({"path": path, "dtype": dtype, "shape": shape, "chunking": "extent",
                             "chunks": rows})

@@ -3,7 +3,6 @@ into content-defined chunks, so what did not change since the previous snapshot 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,9 +17,7 @@ from ..format.limits import MAX_MANIFEST_BYTES
 from ..repository.chunkio import ChunkRef, read_chunks
 from ..repository.chunkstore import store_chunks
 from ..repository.core import RepositoryCore
-from ..repository.locks import locked
-from ..repository.preflight import refuse
-from ..store.base import KeyNotFound, retract
+from ..store.base import KeyNotFound
 from ..units import format_bytes
 from .kind import JOURNAL_KIND
 from .manifest import JOURNAL_FORMAT_VERSION, parse_snapshot_manifest, seal_snapshot_manifest
@@ -98,13 +95,9 @@ def store_snapshot(repo: RepositoryCore, name: str, seq: int, value: Any, metada
     returns its manifest document. A snapshot at ``seq`` already committed with the same bytes is returned as is."""
     kind, data = encode_value(value)
     key = snapshot_key(name, seq)
-    refuse(repo, repo.space_margin, len(data), f"snapshot of journal {name!r}")
-    repo.require_format(JOURNAL_FORMAT_VERSION)
-    with locked(repo.store, "shared", f"snapshot of journal {name}", timeout=repo.lock_timeout, where=repo.where):
-        with repo.tier.saving() if repo.tier is not None else contextlib.nullcontext():
-            stored = store_chunks(repo.store, repo.config, repo.chunk_index(), repo._intact_packs,
-                                  lambda: _cdc(data), 1, crash_label="journal.chunk.written")
-        repo.learned(stored.new_locations, stored.index_key)
+    with repo.transaction(JOURNAL_KIND, name, seq, what=f"snapshot of journal {name}", estimate=len(data),
+                          format_version=JOURNAL_FORMAT_VERSION) as tx:
+        stored = store_chunks(tx.chunks(crash_label="journal.chunk.written", copy_raw=True), lambda: _cdc(data), 1)
         packs: dict[str, int] = {}
         rows = []
         for h, size, x in stored.rows[0]:
@@ -122,15 +115,9 @@ def store_snapshot(repo: RepositoryCore, name: str, seq: int, value: Any, metada
         if len(blob) > MAX_MANIFEST_BYTES:
             raise UsageError(f"the manifest of this snapshot would be {format_bytes(len(blob))}, more than readers "
                              f"accept ({format_bytes(MAX_MANIFEST_BYTES)})")
-        try:
-            committed = repo.store.put_if_absent(key, blob)
-        except OSError:
-            retract(repo.store, key, blob)  # else a retry would find it and drop segments it may not stand for
-            raise
-    if committed:
-        if repo.tier is not None:  # a tiered repository replicates the snapshot like any manifest (§10.2)
-            repo.tier.committed(JOURNAL_KIND, name, seq)
-        return doc
+        # a put that raised is taken back: else a retry would find it and drop segments it may not stand for
+        if tx.put_manifest(blob):
+            return doc  # a tiered repository replicates the snapshot like any manifest (§10.2): a commit listener
     existing = parse_snapshot_manifest(repo.store.get_limited(key, MAX_MANIFEST_BYTES), key, name, seq)
     if [r[0] for r in existing["entries"][0]["chunks"]] == [r[0] for r in rows] \
             and existing["entries"][0]["type"] == kind:

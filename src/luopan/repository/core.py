@@ -31,6 +31,9 @@ from .kinds import Kind
 from .lineage import Lineage, lineage
 from .locks import DEFAULT_TIMEOUT
 from .preflight import DEFAULT_SPACE_MARGIN
+from .chunkwriter import ChunkWriter
+from .packwriter import PackChecker
+from .transaction import Transaction
 
 if TYPE_CHECKING:  # pragma: no cover  (tier.py attaches itself to an open repository: no import at run time)
     from .tier import Tier
@@ -46,7 +49,8 @@ class RepositoryCore:
         self.config = config
         self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a write waits for prune/gc (None: forever)
         self.space_margin: float = DEFAULT_SPACE_MARGIN  # preflight: free space needed / estimated bytes (0: off)
-        self.tier: Tier | None = None  # the tiering of a tiered repository (docs/format.md §10.2)
+        self.listeners: list[Any] = []  # commit listeners: told of every write and commit (tiering is one)
+        self._tier: Tier | None = None
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
         self._intact_packs: dict[str, tuple[int, ...]] = {}  # pack id -> store signature when its trailer checked
@@ -59,6 +63,19 @@ class RepositoryCore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def tier(self) -> Tier | None:
+        """The tiering of a tiered repository (docs/format.md §10.2): a commit listener of it."""
+        return self._tier
+
+    @tier.setter
+    def tier(self, tier: Tier | None) -> None:
+        if self._tier is not None:
+            self.listeners.remove(self._tier)
+        self._tier = tier
+        if tier is not None:
+            self.listeners.append(tier)
 
     @property
     def where(self) -> str:
@@ -78,6 +95,30 @@ class RepositoryCore:
             self._release()
             if self.tier is not None:  # stops after the pack in progress; the rest stays pending for the next open
                 self.tier.close()
+
+    # -- writing: the one transaction and chunk writer every kind commits through ------------------------------
+    def transaction(self, kind: Kind, series: str, number: int | None, *, what: str, estimate: int | None = None,
+                    format_version: int | None = None, lock: bool = True) -> Transaction:
+        """``with repo.transaction(kind, series, number, what=...) as tx:`` — preflight, format bump, shared lock,
+        chunk writer (``tx.chunks()``), manifest put, commit listeners (luopan.repository.transaction)."""
+        return Transaction(self, kind, series, number, what=what, estimate=estimate, format_version=format_version,
+                           lock=lock)
+
+    def chunk_writer(self, **options: Any) -> ChunkWriter:
+        """A chunk writer against this repository's chunk index (prefer ``transaction(...).chunks()``)."""
+        return ChunkWriter(self.store, self.config, self.chunk_index(), self._intact_packs, **options)
+
+    def pack_checker(self) -> PackChecker:
+        """Which stored chunks a write may reference (their pack present and intact), with this process's memory of
+        packs already found intact."""
+        return PackChecker(self.store, self._intact_packs)
+
+    def notify_committed(self, kind: Kind, series: str, number: int | None) -> None:
+        """Tell every commit listener that a manifest was committed (or replaced)."""
+        if number is None:
+            return
+        for listener in self.listeners:
+            listener.committed(kind, series, number)
 
     # -- the chunk index (docs/format.md §7) -----------------------------------------------------------------------
     def chunk_index(self) -> dict[str, BlobLocation]:
