@@ -614,7 +614,7 @@ def test_a_min_version_publish_over_a_lost_index_cut_short_keeps_the_guard(ch, t
     delete the files devices were told about."""
     import importlib
 
-    publish_module = importlib.import_module("luopan.channel.publish")
+    publish_module = importlib.import_module("luopan.channel.publishing")
     chan = channel_copy(ch, tmp_path)
     (chan / "index.json").unlink()
 

@@ -421,7 +421,7 @@ def test_expect_target_and_max_output_are_refused_before_the_base_is_read(made):
 
 
 def test_create_refuses_a_header_readers_would_refuse(made, monkeypatch):
-    monkeypatch.setattr(sys.modules["luopan.patch.create"], "MAX_HEADER_BYTES", 100)
+    monkeypatch.setattr(sys.modules["luopan.patch.creating"], "MAX_HEADER_BYTES", 100)
     with pytest.raises(luopan.UsageError, match="over the 100-byte limit readers enforce"):
         luopan.patch.create(made.repo, "a", 1, 2, made.path("big.lpatch"), subtree="model")
     assert not os.path.exists(made.path("big.lpatch")) and leftovers(made.root) == []

@@ -16,7 +16,7 @@ import luopan
 from luopan.channel import parse_index, publish
 from luopan.signing import generate_key, load_signing_key
 
-publish_module = importlib.import_module("luopan.channel.publish")
+publish_module = importlib.import_module("luopan.channel.publishing")
 CHUNK = 64 << 10
 
 

@@ -6,15 +6,8 @@
     state = repo.load("run-a")
 """
 
-from . import policies, retention
-from .artifact import Artifact, ArtifactVersion
-from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
-from .repo import Repo, init, open
-from .repository.lineage import Lineage
-from .checkpoint.rowdelta import DeltaPolicy
-from .checkpoint.runrecord import Run
-from .checkpoint.shards import Shard
-from .repository.tiersetup import ColdPolicy
+from typing import TYPE_CHECKING
+
 from .errors import (
     ArgumentTypeError,
     ArtifactNotFoundError,
@@ -78,20 +71,46 @@ from .errors import (
 __version__ = "0.1.0"
 
 
-# Modules reached as luopan.<name> on first use (most import optional or heavy packages: torch, peft, transformers,
-# faiss, langgraph).
-_LAZY = ("torch", "patch", "channel", "signing", "peft", "hf", "dcp", "lightning", "journal", "index", "langgraph",
-         "doctor")
+# The public names defined outside luopan.errors, by the module that defines them: imported on first use (PEP 562),
+# so that ``import luopan`` stays light and a device that only pulls or applies patches (luopan.channel,
+# luopan.patch) never imports the repository. ``luopan.Repo`` is luopan.repo.Repo itself, not a copy.
+_EXPORTS = {
+    "Artifact": "artifact", "ArtifactVersion": "artifact",
+    "CheckpointInfo": "checkpoint.info", "SaveHandle": "checkpoint.info", "VerifyReport": "checkpoint.info",
+    "DeltaPolicy": "checkpoint.rowdelta", "Run": "checkpoint.runrecord", "Shard": "checkpoint.shards",
+    "Repo": "repo", "init": "repo", "open": "repo",
+    "Lineage": "repository.lineage", "ColdPolicy": "repository.tiersetup",
+}
+
+if TYPE_CHECKING:  # pragma: no cover  (for type checkers and IDEs: the same names, resolved statically)
+    from . import policies, retention
+    from .artifact import Artifact, ArtifactVersion
+    from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
+    from .checkpoint.rowdelta import DeltaPolicy
+    from .checkpoint.runrecord import Run
+    from .checkpoint.shards import Shard
+    from .repo import Repo, init, open
+    from .repository.lineage import Lineage
+    from .repository.tiersetup import ColdPolicy
 
 
 def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
-    """``luopan.torch`` (and the other _LAZY modules) on first use: importing luopan must not import torch, nor
-    require it to be installed."""
-    if name in _LAZY:
-        import importlib
+    """``luopan.Repo`` (and the other names of _EXPORTS) and ``luopan.<submodule>`` (``luopan.policies``,
+    ``luopan.torch``, ...) on first use: importing luopan imports no repository and no torch, nor requires torch to
+    be installed."""
+    import importlib.util
 
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    if name.isidentifier() and not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'luopan' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

@@ -2,7 +2,7 @@
 fsync of the directory. Failures are luopan errors naming the file and what to do (``write_error``: StorageFullError
 on a full disk, OutputPathError when the path is the problem, StorageError for an I/O error). Used for channel files,
 Lightning pointers, adapter configs and public keys; ``write_error`` for every file luopan writes outside a
-repository (exports, patch outputs, checkouts)."""
+repository (exports, patch outputs, checkouts), ``check_output_path`` before such a file is written."""
 
 from __future__ import annotations
 
@@ -86,6 +86,20 @@ def sync_placed(path: str | os.PathLike[str]) -> None:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
     except OSError as exc:
         raise write_error(exc, os.fspath(path), placed=True) from None
+
+
+def check_output_path(path: str | os.PathLike[str]) -> str:
+    """The output path as a str, if a file can be created there: its directory exists and it is not a directory
+    (OutputPathError otherwise). Checked before an export or a patch apply reads anything."""
+    out = os.fspath(path)
+    if not out or os.path.isdir(out):
+        raise OutputPathError(21, f"{out or '(empty)'} is a directory: give a file name for the export, e.g. "
+                                  f"{os.path.join(out or '.', 'model.safetensors')}")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise OutputPathError(2, f"cannot write {out}: the directory {parent} does not exist; create it first "
+                                 f"(mkdir -p {parent})")
+    return out
 
 
 def write_error(exc: BaseException, path: str, outcome: str = "", *, placed: bool = False) -> BaseException:

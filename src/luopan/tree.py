@@ -17,24 +17,13 @@ import numpy as np
 from . import typed
 from ._memory import advise_huge_pages
 from .errors import LuopanError, UnsupportedValueError
+from .format.dtypes import TORCH_DTYPE_SIZES
 from .format.limits import MAX_NDIM, MAX_PATH_CHARS, shape_fits
 from .format.names import join_path
 
 _BIG_INT_BITS = 14000  # ints this long may exceed Python's 4300-digit str limit: checked, not assumed
 
 _NUMPY_KINDS = "biufc"
-
-# The torch dtypes luopan stores, by name, with their element size. A whitelist: a name read from a manifest is
-# never looked up on the torch module unless it is here, and a dtype a future torch adds is refused, not guessed.
-TORCH_DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
-    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
-}
-
 
 def itemsize(kind: str, dtype: str) -> int | None:
     """Element size of a stored dtype name, or None when luopan does not store that dtype."""

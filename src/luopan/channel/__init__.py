@@ -9,15 +9,30 @@ server can serve, and pull the newest version onto a device that has only a safe
 A pull downloads the smallest patch from the version the device has (luopan.patch) or the full file, resumes a cut
 download with HTTP Range requests, and refuses an index that is unsigned, signed by an unknown key, tampered with,
 older than one the device has seen (rollback) or past its expiry (freeze). The repository core never imports this
-package.
+package, and ``pull`` imports no repository: ``publish``, which reads one, is loaded on first use
+(luopan.channel.publishing).
 """
 
 from __future__ import annotations
 
 from .index import ChannelIndex, ChannelVersion, FileRef, PatchRef, parse_index
-from .publish import publish
 from .pull import pull
 from .state import DeviceState, read_state
+
+
+def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
+    """``luopan.channel.publish`` on first use (it imports the repository)."""
+    if name == "publish":
+        from .publishing import publish
+
+        globals()["publish"] = publish
+        return publish
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = ["ChannelIndex", "ChannelVersion", "DeviceState", "FileRef", "PatchRef", "parse_index", "publish", "pull",
            "read_state"]

@@ -6,6 +6,9 @@ apply it on a device that has only the base as a safetensors file — no reposit
     luopan.patch.apply("update.lpatch", "base.safetensors", "new.safetensors", trusted_keys="trusted/")
     luopan.patch.fingerprint_file("base.safetensors")   # the content fingerprint a patch checks its base against
     luopan.patch.read_header("update.lpatch", trusted_keys="trusted/")  # what it makes, before applying it
+
+``apply``, ``read_header`` and ``fingerprint_file`` work on files alone and import no repository (a device that only
+applies patches loads a few small modules); ``create``, which reads a repository, is loaded on first use.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from ..format.config import DEFAULT_CHUNK_SIZE
 from ..signing import TrustedKeys
 from .apply import apply
 from .basefile import hash_file
-from .create import create
 from .files import open_regular
 from .header import FORMAT_VERSION
 from .prepare import open_checked
@@ -48,7 +50,6 @@ def read_header(path: str | os.PathLike[str], *, trusted_keys: TrustedKeys | str
         pf.close()
 
 
-
 def fingerprint_file(path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:
     """The content fingerprint (``blake3:<hex>``) of a safetensors file's tensors at ``chunk_size`` (docs/format.md
     §13.3): what ``patch apply`` compares with the patch's base fingerprint."""
@@ -58,6 +59,20 @@ def fingerprint_file(path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHU
         return hash_file(fd, where, chunk_size).fingerprint
     finally:
         os.close(fd)
+
+
+def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
+    """``luopan.patch.create`` on first use (it imports the repository; luopan.patch.creating)."""
+    if name == "create":
+        from .creating import create
+
+        globals()["create"] = create
+        return create
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = ["FORMAT_VERSION", "apply", "create", "fingerprint_file", "read_header"]

@@ -11,13 +11,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint.export import check_output_path
+from .._files import check_output_path
 from ..errors import UsageError
-from ..repo import Repo
-from ..repo import open as open_repo
 from ..signing import TrustedKeys
-from .basefile import scratch
 from ..units import format_bytes
+from .basefile import scratch
 from .commit import check_memory, commit
 from .files import AtomicOutput
 from .header import Header
@@ -72,7 +70,10 @@ def apply(
         raise UsageError("max_output_bytes limits the output file: it needs out_path (-o FILE)")
     if out_path is not None:
         check_output_path(out_path)  # an output that cannot be written is refused before the base is read
-    else:
+    else:  # the repository is imported only here: applying to a file needs none of it
+        from ..repo import Repo
+        from ..repo import open as open_repo
+
         repo = repo if isinstance(repo, Repo) else open_repo(repo, create=False, replicate=False)
 
     def check(header: Header) -> None:

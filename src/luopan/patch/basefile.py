@@ -13,8 +13,8 @@ from typing import Any
 
 import blake3
 
+from .._parallel import ordered_map
 from ..errors import CorruptPatchError, CorruptSafetensorsError
-from ..repository.parallel import ordered_map
 from .fingerprint import content_fingerprint
 from .files import read_exact, workers_for
 from .header import spans

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedValueError, UsageError
 from ..format.names import check_run, check_step
-from ..repo import Repo
-from ..tree import new_array
 from ..units import format_bytes
 from .files import available_memory
 from .header import Header
 from .prepare import Chunk, Prepared
+
+if TYPE_CHECKING:  # pragma: no cover  (annotations only: applying to a file imports no repository)
+    from ..repo import Repo
 
 
 def check_memory(header: Header) -> None:
@@ -33,6 +34,8 @@ def commit(prep: Prepared, r: Repo, run: str | None, step: int | None,
            progress: Callable[[int], Any] | None) -> dict[str, Any]:
     """Save the target as checkpoint ``step`` of ``run`` (the patch's target by default), its tensors nested by
     their key paths under the patch's subtree. Returns run, step and the checkpoint's new_bytes."""
+    from ..tree import new_array  # NumPy (and torch), only to commit into a repository
+
     header = prep.header
     run = check_run(run if run is not None else header.target["run"])
     step = check_step(step if step is not None else header.target["step"])

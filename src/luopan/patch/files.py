@@ -11,10 +11,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._files import sync_placed, write_error
-from ..checkpoint.export import check_output_path
+from .._files import check_output_path, sync_placed, write_error
+from .._parallel import WORKERS
 from ..errors import StorageFullError
-from ..repository.parallel import WORKERS
 from ..units import format_bytes
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import blake3
 import zstandard
 
+from .._parallel import ordered_map
 from ..errors import BaseMismatchError, CorruptPatchError, CorruptSafetensorsError, IntegrityError, StateMismatchError
-from ..repository.parallel import ordered_map
 from ..signing import TrustedKeys, check_signature
 from ..units import format_bytes
 from .basefile import HashedFile, hash_file

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import blake3
 
-from ..checkpoint.export import SAFETENSORS_DTYPES, select_entries
-from ..checkpoint.read import chunk_refs, delta_jobs
+from ..checkpoint import chunk_refs, delta_jobs, select_entries
 from ..errors import UnsupportedValueError
+from ..format.dtypes import SAFETENSORS_DTYPES
 from ..format.manifest import Manifest, Row
 from ..repository.chunkio import PackSizes, read_chunk, read_chunks
 from ..store.base import Store

@@ -9,11 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint.export import SAFETENSORS_DTYPES
 from ..errors import CorruptSafetensorsError
 from ..format.canonical import SealError, parse_object
+from ..format.dtypes import SAFETENSORS_DTYPES, TORCH_DTYPE_SIZES
 from ..format.limits import shape_fits
-from ..tree import TORCH_DTYPE_SIZES
 
 # safetensors itself allows headers up to 100 MB, which parse to ~1 GB of Python objects; a base's header is
 # refused over 16 MiB before it is read (~160k tensors; parsed, ~170 MiB at most; docs/format.md §13.4)

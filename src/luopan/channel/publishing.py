@@ -38,8 +38,8 @@ from ..errors import (
     UsageError,
 )
 from ..format.names import check_run, check_step, is_run_name
-from ..patch import create
 from ..patch.basefile import hash_file
+from ..patch.creating import create
 from ..repo import Repo
 from ..repo import open as open_repo
 from ..signing import SigningKey, TrustedKeys, load_signing_key
@@ -102,14 +102,7 @@ def publish(
 
     Returns a summary: channel, name, index_version, version, refreshed, expires, full, patches, removed.
     """
-    if not isinstance(keep, int) or isinstance(keep, bool) or not 0 <= keep <= MAX_KEEP:
-        raise UsageError(f"keep is {keep!r}: give how many earlier versions get a patch, 0 to {MAX_KEEP}")
-    lifetime = parse_duration(expires) if isinstance(expires, str) else float(expires)
-    if not 1 <= lifetime <= 10 * 365 * 86400:
-        raise UsageError(f"expires {expires!r}: an index must expire between 1 s and 10 years after it is published")
-    if min_version is not None and (not isinstance(min_version, int) or isinstance(min_version, bool)
-                                    or not 1 <= min_version <= MAX_INDEX_VERSION):
-        raise UsageError(f"min_version is {min_version!r}: give an index version from 1 to {MAX_INDEX_VERSION}")
+    lifetime = _check_options(keep, expires, min_version)
     key = sign_key if isinstance(sign_key, SigningKey) else load_signing_key(sign_key)
     trusted = trusted_keys if isinstance(trusted_keys, TrustedKeys) or trusted_keys is None else \
         TrustedKeys.load(trusted_keys)
@@ -118,15 +111,7 @@ def publish(
     step = r.manifest(run, None if step is None else check_step(step)).step
     say = progress or (lambda _msg: None)
     root = os.fspath(channel_dir)
-    try:
-        for d in ("full", "patches"):  # synced into their parents: the index written later is inside
-            make_dirs(os.path.join(root, d))
-    except OSError as exc:
-        if exc.errno not in PATH_ERRNOS:
-            raise write_error(exc, root, "nothing was published") from None
-        raise UsageError(f"cannot create the channel directory {root}: {exc.strerror or exc}") from None
-    for d in ("full", "patches"):  # files are renamed into them and deleted from them: never through a link
-        real_dir(os.path.join(root, d), "the channel's directory")
+    _make_channel_dirs(root)
     with publish_lock(root):
         prev = _previous(root, key, trusted, min_version)
         chunk_size = r.config.chunk_size
@@ -150,19 +135,7 @@ def publish(
                 os.close(fd)
             if prev is not None and prev.latest.fingerprint == fingerprint:
                 say(f"{run} step {step} is the newest version's content: renewing the index only")
-                kept = list(prev.files())
-                listed = prev.latest.full
-                fd = scratch.open_written(FULL_TMP)
-                try:
-                    same = fd_blake3(fd) == (listed.size, listed.blake3)
-                    if same:  # the very bytes: put them in place again
-                        scratch.sync(fd, FULL_TMP)
-                finally:
-                    os.close(fd)
-                if same:
-                    scratch.move(FULL_TMP, os.path.join(root, *listed.name.split("/")))
-                    kept.remove(listed)
-                _check_files(root, kept, say)
+                _renew(root, scratch, prev, say)
                 new, versions, patches = prev.latest, prev.versions, prev.patches
             else:
                 # devices on a version with the new content are up to date already: no patch from it
@@ -190,6 +163,52 @@ def publish(
         "patches": [{"from": p.source, "to": p.target, "name": p.file.name, "size": p.file.size} for p in patches],
         "removed": removed,
     }
+
+
+def _check_options(keep: int, expires: str | float, min_version: int | None) -> float:
+    """The index's lifetime in seconds; UsageError for a ``keep``, ``expires`` or ``min_version`` out of range."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 0 <= keep <= MAX_KEEP:
+        raise UsageError(f"keep is {keep!r}: give how many earlier versions get a patch, 0 to {MAX_KEEP}")
+    lifetime = parse_duration(expires) if isinstance(expires, str) else float(expires)
+    if not 1 <= lifetime <= 10 * 365 * 86400:
+        raise UsageError(f"expires {expires!r}: an index must expire between 1 s and 10 years after it is published")
+    if min_version is not None and (not isinstance(min_version, int) or isinstance(min_version, bool)
+                                    or not 1 <= min_version <= MAX_INDEX_VERSION):
+        raise UsageError(f"min_version is {min_version!r}: give an index version from 1 to {MAX_INDEX_VERSION}")
+    return lifetime
+
+
+def _make_channel_dirs(root: str) -> None:
+    """The channel's ``full/`` and ``patches/`` (and ``root``), created when missing and synced into their parents
+    (the index written later is inside); each must be a real directory, not a link."""
+    try:
+        for d in ("full", "patches"):
+            make_dirs(os.path.join(root, d))
+    except OSError as exc:
+        if exc.errno not in PATH_ERRNOS:
+            raise write_error(exc, root, "nothing was published") from None
+        raise UsageError(f"cannot create the channel directory {root}: {exc.strerror or exc}") from None
+    for d in ("full", "patches"):  # files are renamed into them and deleted from them: never through a link
+        real_dir(os.path.join(root, d), "the channel's directory")
+
+
+def _renew(root: str, scratch: Scratch, prev: ChannelIndex, say: Callable[[str], Any]) -> None:
+    """Before a new index over the same versions (the exported file in ``scratch`` is the newest version's content):
+    put the export in place of the listed full file when it has the very bytes listed, and check every other file
+    the index keeps (IntegrityError)."""
+    kept = list(prev.files())
+    listed = prev.latest.full
+    fd = scratch.open_written(FULL_TMP)
+    try:
+        same = fd_blake3(fd) == (listed.size, listed.blake3)
+        if same:  # the very bytes: put them in place again
+            scratch.sync(fd, FULL_TMP)
+    finally:
+        os.close(fd)
+    if same:
+        scratch.move(FULL_TMP, os.path.join(root, *listed.name.split("/")))
+        kept.remove(listed)
+    _check_files(root, kept, say)
 
 
 def scratch_candidates(root: str) -> list[tuple[str, str]]:

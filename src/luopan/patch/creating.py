@@ -1,4 +1,5 @@
 """``luopan.patch.create``: a patch from one checkpoint (or a plain safetensors base) to another (docs/format.md §13).
+Loaded on first use of ``luopan.patch.create``: applying a patch imports no repository.
 
 The patch carries the target's tensor list and only the chunks the base lacks. It is written atomically: the blobs go
 to an anonymous temporary file first (the header that names their offsets precedes them), then the patch is
@@ -15,7 +16,7 @@ from typing import Any
 
 import zstandard
 
-from ..checkpoint.export import check_output_path
+from .._files import check_output_path
 from ..errors import CorruptSafetensorsError, UsageError
 from ..format.manifest import Manifest
 from ..format.names import check_run, check_step
