@@ -16,23 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._files import sync_placed, write_error
-from ..errors import CheckpointNotFoundError, LuopanError, OutputPathError, UnsupportedValueError
+from ..errors import CheckpointNotFoundError, LuopanError, UnsupportedValueError
 from ..format.manifest import Manifest, Row, rows_of
 from ..store.base import Store
 from ..repository.parallel import WORKERS, ordered_map
 from ..repository.chunkio import ChunkRef, read_chunk, read_chunks
 from .deltaplan import zero_chunk
+from ..format.dtypes import SAFETENSORS_DTYPES
+from .._files import check_output_path
 from .read import PendingDelta, PendingXor, check_rows, chunk_refs, delta_jobs
-
-# safetensors dtype codes, by luopan dtype name (torch names and NumPy names coincide where both exist)
-SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64",
-}
-
 
 def select_entries(m: Manifest, subtree: str | None) -> list[tuple[str, int]]:
     """(name in the export, entry index) for every tensor entry at or below ``subtree`` (all when None)."""
@@ -135,19 +127,6 @@ def export_safetensors(
         raise
     sync_placed(out_path)
     return {"path": out_path, "tensors": len(selected), "bytes": 8 + len(head) + offset}
-
-
-def check_output_path(path: str | os.PathLike[str]) -> str:
-    """The output path as a str, if a file can be created there: its directory exists and it is not a directory."""
-    out = os.fspath(path)
-    if not out or os.path.isdir(out):
-        raise OutputPathError(21, f"{out or '(empty)'} is a directory: give a file name for the export, e.g. "
-                                  f"{os.path.join(out or '.', 'model.safetensors')}")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise OutputPathError(2, f"cannot write {out}: the directory {parent} does not exist; create it first "
-                                 f"(mkdir -p {parent})")
-    return out
 
 
 def _output_error(exc: OSError, path: str) -> BaseException:
