@@ -136,6 +136,15 @@ def test_headings_are_unique(headings: list[str]) -> None:
     assert not doubles, f"docs/format.md numbers these sections twice: {doubles}"
 
 
+def _order(number: str) -> tuple[tuple[int, str], ...]:
+    return tuple((int(p.rstrip("abcdefghijklmnopqrstuvwxyz")), p.lstrip("0123456789")) for p in number.split("."))
+
+
+def test_headings_are_in_order(headings: list[str]) -> None:
+    late = [f"§{b} after §{a}" for a, b in zip(headings, headings[1:]) if _order(b) <= _order(a)]
+    assert not late, f"docs/format.md has sections out of order: {late}"
+
+
 def test_every_cited_section_exists(headings: list[str]) -> None:
     problems = dangling(CITING, set(headings))
     assert not problems, "dangling section citations:\n" + "\n".join(problems)
