@@ -1,4 +1,4 @@
-"""luopan.index: FAISS index snapshots as a kind on the repository core (docs/format-index.md)."""
+"""luopan.index: FAISS index snapshots as a kind on the repository core (docs/format.md §17)."""
 
 from __future__ import annotations
 

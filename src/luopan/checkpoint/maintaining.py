@@ -97,7 +97,7 @@ class Maintaining(Saving, Reading):
 
     def sign(self, run: str, step: int | None, key: SigningKey | str | os.PathLike[str]) -> dict[str, Any]:
         """Sign checkpoint ``step`` of ``run`` (the latest when None) with an Ed25519 key (a SigningKey or a ``.key``
-        file from ``luopan key gen``): a signature of its content (docs/format.md §14), checked by
+        file from ``luopan key gen``): a signature of its content (docs/format.md §9.3), checked by
         ``verify(trusted_keys=…)``. Returns the signature document."""
         signing_key = key if isinstance(key, SigningKey) else load_signing_key(key)
         return signatures.sign(self.store, self.manifest(run, step), signing_key)

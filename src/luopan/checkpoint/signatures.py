@@ -1,4 +1,5 @@
-"""Signed checkpoints (docs/format.md §14): ``repo.sign(run, step, key)`` and ``repo.verify(..., trusted_keys=…)``.
+"""Signed checkpoints (docs/format.md §9.3; keys §14): ``repo.sign(run, step, key)`` and
+``repo.verify(..., trusted_keys=…)``.
 
 What a signature covers is the checkpoint's *content*, not its manifest file: the run, the step, the tree, the
 metrics and every entry with its chunks' BLAKE3 addresses and sizes — not where the chunks lie (pack, offset, stored

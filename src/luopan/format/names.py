@@ -102,7 +102,7 @@ def signatures_prefix(run: str, step: int) -> str:
 
 
 def signature_key(run: str, step: int, key_hex: str) -> str:
-    """One signer's signature of a checkpoint (docs/format.md §14); ``key_hex`` is the hex part of its key id."""
+    """One signer's signature of a checkpoint (docs/format.md §9.3); ``key_hex`` is the hex part of its key id."""
     if len(key_hex) != 32 or any(c not in "0123456789abcdef" for c in key_hex):
         raise InvalidNameError(f"invalid key id hex {key_hex[:40]!r}")
     return f"{signatures_prefix(run, step)}{key_hex}.json"

@@ -1,5 +1,5 @@
 """Vector-index snapshots (FAISS): versioned, incremental, verified, with an atomic live version and an op log
-(docs/format-index.md). faiss is imported on first use, never by ``import luopan``."""
+(docs/format.md §17). faiss is imported on first use, never by ``import luopan``."""
 
 from .api import IndexStore
 

@@ -1,4 +1,4 @@
-"""Vector-index snapshots (FAISS) in a luopan repository (docs/format-index.md).
+"""Vector-index snapshots (FAISS) in a luopan repository (docs/format.md §17).
 
     idx = luopan.index.IndexStore(repo, "kb-main")
     v = idx.snapshot(index, ids=ids, params={"nlist": 1024}, metadata={"model": "e5"})   # 1, 2, ...

@@ -1,4 +1,4 @@
-"""Extent chunking (docs/format-index.md): an array keeps every chunk of its previous version whose bytes are still at
+"""Extent chunking (docs/format.md §17.3): an array keeps every chunk of its previous version whose bytes are still at
 the same offset (checked by XXH3-128 against the previous row, never trusted), and only the rest is cut fresh, so an
 append-only array (flat codes, ids, each inverted list) costs its new tail. New chunks go through the core
 (``store_chunks``: BLAKE3 addressed, deduplicated, packed, indexed); reading checks every chunk's BLAKE3."""

@@ -1,4 +1,5 @@
-"""faiss indexes as a small skeleton plus big arrays (docs/format-index.md): what a snapshot stores and a load rebuilds.
+"""faiss indexes as a small skeleton plus big arrays (docs/format.md §17.2): what a snapshot stores and a load
+rebuilds.
 
 Decomposed types: IndexFlat (L2, IP), IndexIVFFlat, IndexIVFPQ, IndexIVFScalarQuantizer (array inverted lists),
 IndexHNSWFlat, and any of them inside IndexIDMap / IndexIDMap2. The skeleton is ``faiss.serialize_index`` of the
@@ -42,7 +43,7 @@ class Parts:
 
 @dataclass
 class Lists:
-    """The inverted lists of an IVF node at ``prefix``: per list, views of its codes and ids (docs/format-index.md:
+    """The inverted lists of an IVF node at ``prefix``: per list, views of its codes and ids (docs/format.md §17.2:
     stored as segments, not per list)."""
 
     prefix: str

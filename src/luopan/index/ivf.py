@@ -1,4 +1,4 @@
-"""Inverted lists stored as segments (docs/format-index.md): the lists of an IVF index grow by appending, each a
+"""Inverted lists stored as segments (docs/format.md §17.2): the lists of an IVF index grow by appending, each a
 little, so a snapshot stores the lists' contents as of the previous snapshot as the same segments as before (their
 chunks reused) plus one new segment holding every list's new tail. The manifest's size then does not grow with
 ``nlist``.

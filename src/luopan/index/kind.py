@@ -1,5 +1,5 @@
 """The index kind as the repository core sees it: snapshot manifests at ``indexes/<name>/_v/<version:08d>.json``,
-pins at ``refs/pins/_indexes/<name>/<version:08d>.json`` (docs/format-index.md)."""
+pins at ``refs/pins/_indexes/<name>/<version:08d>.json`` (docs/format.md §17.1)."""
 
 from __future__ import annotations
 

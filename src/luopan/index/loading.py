@@ -1,6 +1,6 @@
 """Rebuilding a faiss index from a snapshot manifest: the skeleton deserialized, every array sized in faiss's own
 memory from the manifest, each chunk read and verified straight into it, then what faiss's reader checks checked
-(docs/format-index.md)."""
+(docs/format.md §17.6)."""
 
 from __future__ import annotations
 

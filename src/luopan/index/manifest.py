@@ -1,4 +1,4 @@
-"""Index snapshot manifests and the current ref: build, seal, parse and validate (docs/format-index.md).
+"""Index snapshot manifests and the current ref: build, seal, parse and validate (docs/format.md §§17.2, 17.4).
 
 A snapshot lists each array of the decomposed index (the skeleton included) as an entry with its dtype, shape and
 chunk rows (docs/format.md §8); parsing checks everything a load relies on, so a damaged or hostile manifest is a

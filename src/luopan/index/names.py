@@ -1,4 +1,4 @@
-"""Index names and every key of the index kind (docs/format-index.md)."""
+"""Index names and every key of the index kind (docs/format.md §17.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The op log of an index (docs/format-index.md): ``log_add``/``log_remove`` records appended to the core's log
+"""The op log of an index (docs/format.md §17.5): ``log_add``/``log_remove`` records appended to the core's log
 (luopan.repository.wal) at ``indexes/<name>/log/`` of a local repository, each tagged with the live version it was
 logged against, and replayed in order on that version by ``load()``.
 

@@ -3,7 +3,7 @@
     from luopan.langgraph import LuopanSaver
     graph = builder.compile(checkpointer=LuopanSaver("ckpts"))
 
-Needs ``langgraph-checkpoint`` (installed with ``langgraph``). See `LuopanSaver` and docs/format-langgraph.md.
+Needs ``langgraph-checkpoint`` (installed with ``langgraph``). See `LuopanSaver` and docs/format.md §18.
 """
 
 from .saver import LuopanSaver

@@ -1,4 +1,4 @@
-"""The saver's journal records and snapshot (docs/format-langgraph.md): a 1-byte format version, then one msgpack
+"""The saver's journal records and snapshot (docs/format.md §18): a 1-byte format version, then one msgpack
 array. Only plain msgpack types are used (no ext types), so decoding a record runs no code from the data.
 
 Channel values and write values are content-addressed objects, named by the first 16 bytes of

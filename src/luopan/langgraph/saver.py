@@ -1,4 +1,4 @@
-"""`LuopanSaver`: a LangGraph checkpoint saver on a luopan journal (docs/format-langgraph.md).
+"""`LuopanSaver`: a LangGraph checkpoint saver on a luopan journal (docs/format.md §18).
 
 Every `put`, `put_writes`, `delete_thread`, `delete_for_runs`, `copy_thread` and `prune` is one journal record: with
 ``fsync="always"`` one fdatasync, and once the call returns it survives a crash. A torn tail loses at most the record
