@@ -28,10 +28,11 @@ from .app import (
     opens_repo,
     out,
     ratio,
+    ref_argument,
     report_strays,
     table,
 )
-from .grammar import LegacyStep, RunRef, checkpoint_ref, deprecated, parse_ref
+from .grammar import LegacyStep, RunRef, checkpoint_ref, deprecated
 
 @app.command("ls")
 @opens_repo
@@ -263,10 +264,9 @@ def _print_record(rec: dict[str, Any], evals: list[int]) -> None:
 def diff(
     *,
     r: Repo,
-    first: Annotated[str, typer.Argument(metavar="RUN_A[@STEP]", help="The older checkpoint, RUN@STEP (RUN alone: "
-                                                                       "its latest step).")],
-    second: Annotated[str, typer.Argument(metavar="RUN_B[@STEP]", help="The newer checkpoint, RUN@STEP (RUN "
-                                                                        "alone: its latest step).")],
+    first: Annotated[str, typer.Argument(metavar="RUN_A@STEP", help="The older checkpoint.")],
+    second: Annotated[str, typer.Argument(metavar="RUN_B@STEP", help="The newer checkpoint (of the same run or "
+                                                                      "another).")],
     third: Annotated[Optional[str], typer.Argument(hidden=True, help="Deprecated: diff RUN STEP_A STEP_B.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -278,11 +278,13 @@ def diff(
         old_a, old_b = _step(second), _step(third)
         deprecated("luopan diff RUN STEP_A STEP_B", f"luopan diff {first}@{old_a} {first}@{old_b}", as_json)
         (run_a, step_a), (run_b, step_b) = (first, old_a), (first, old_b)
+    elif "@" not in first or "@" not in second:
+        raise UsageError("give two checkpoints as RUN@STEP: luopan diff RUN@STEP_A RUN@STEP_B (one run) or luopan "
+                         "diff RUN_A@STEP RUN_B@STEP")
     else:
-        (run_a, step_a), (run_b, step_b) = (parse_ref(x) for x in (first, second))
-    ma, mb = r.manifest(run_a, step_a), r.manifest(run_b, step_b)
-    step_a, step_b = ma.step, mb.step
-    d = diff_manifests(ma, mb) if run_a != run_b else r.diff(run_a, step_a, step_b)
+        (run_a, step_a), (run_b, step_b) = (ref_argument(x, "checkpoint (RUN@STEP)") for x in (first, second))
+    d = diff_manifests(r.manifest(run_a, step_a), r.manifest(run_b, step_b)) if run_a != run_b else \
+        r.diff(run_a, step_a, step_b)
     d = {"from_run": run_a, **d}
     if as_json:
         emit_json(json_safe(d))
