@@ -141,7 +141,8 @@ def commit(
 def ls(
     *,
     r: Repo,
-    name: Annotated[Optional[str], typer.Argument(help="Artifact to list the files of (NAME or NAME@V); all "
+    name: Annotated[Optional[str], typer.Argument(metavar="[NAME[@V]]", show_default=False,
+                                                  help="Artifact to list the files of (NAME or NAME@V); all "
                                                        "artifacts when omitted.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
