@@ -3,7 +3,7 @@ for ``luopan export --sign`` (the OpenSSF model_signing tool, luopan.interop).""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 

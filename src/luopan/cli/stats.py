@@ -18,7 +18,6 @@ from ..repo import Repo
 from ..repository.verify import manifest_chunk_refs
 from .app import (
     JsonOpt,
-    RepoOpt,
     app,
     emit_json,
     err,
