@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import json
 import math
 import os
@@ -192,6 +193,29 @@ def ref_argument(text: str, what: str = "reference") -> tuple[str, int]:
 def open_repo(repo: str, **options: Any) -> Repo:
     """An existing repository; a tiered one reads through its tiers but replicates nothing from the CLI."""
     return repo_open(repo, create=False, replicate=False, **options)
+
+
+def opens_repo(fn: F) -> F:
+    """The one decorator of a command that works on an existing repository. The command declares ``r: Repo``;
+    the CLI shows it as the ``-r/--repo`` option (also before the command, or LUOPAN_REPO: repo_location), opens
+    the repository before the body runs and closes it after, and maps errors to exit codes (handles_errors)."""
+    sig = inspect.signature(fn, eval_str=True)  # typer reads the annotations of __signature__ as given
+    if "r" not in sig.parameters:
+        raise TypeError(f"{fn.__name__}: a command that opens a repository takes r: Repo")
+    params = [p.replace(name="repo", annotation=RepoOpt, default=None) if p.name == "r" else p
+              for p in sig.parameters.values()]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, repo: str | None = None, **kwargs: Any) -> Any:
+        r = open_repo(repo_location(repo))
+        try:
+            return fn(*args, r=r, **kwargs)
+        finally:
+            r.close()
+
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return handles_errors(wrapper)  # type: ignore[arg-type]
 
 
 def not_found(msg: str) -> int:

@@ -11,27 +11,25 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..artifact import Artifact, ArtifactVersion
+from ..repo import Repo
 from ..errors import IntegrityError, UsageError
 from ..format.names import check_artifact, check_version, is_artifact_name, is_run_name
 from ..retention import rules_from_flags
 from .app import (
     MARKUP,
     JsonOpt,
-    RepoOpt,
     app,
     emit_json,
     err,
     escape,
-    handles_errors,
     human,
-    open_repo,
+    opens_repo,
     out,
     print_plan,
-    ref_argument,
-    repo_location,
     table,
     usage_errors,
 )
+from .grammar import checkpoint_ref, parse_ref
 
 artifact_app = typer.Typer(help="Versioned files and directories (datasets, eval outputs) with lineage.",
                            no_args_is_help=True, rich_markup_mode=MARKUP)
@@ -67,22 +65,20 @@ def is_artifact_target(r: Any, name: str, kind: str | None = None) -> bool:
     return True
 
 
-def name_and_number(name: str, number: int | None) -> tuple[str, int]:
-    """RUN STEP, NAME VERSION, or NAME@N alone (pin, unpin)."""
+def name_and_number(ref: str, legacy_number: int | None, command: str, quiet: bool = False
+                    ) -> tuple[str, int]:
+    """RUN@STEP or NAME@V (pin, unpin); the deprecated RUN STEP with a note."""
+    name, number = checkpoint_ref(ref, legacy_number, command, quiet=quiet)
     if number is None:
-        if "@" not in name:
-            raise UsageError(f"a step (or version) is needed: {name} STEP, or {name}@N")
-        name, number = ref_argument(name, "reference")
+        raise UsageError(f"a step (or version) is needed: {name}@N")
     return name, number
 
 
 def split_ref(text: str) -> tuple[str, int | None]:
     """'NAME' -> (NAME, None); 'NAME@V' -> (NAME, V). A bad name or version (ds@0) is a usage error: exit 2."""
     with usage_errors():
-        if "@" not in text:
-            return check_artifact(text), None
-        name, version = ref_argument(text, "artifact reference")
-        return check_artifact(name), check_version(version)
+        name, version = parse_ref(text, "artifact reference")
+        return check_artifact(name), None if version is None else check_version(version)
 
 
 @contextmanager
@@ -118,10 +114,10 @@ def _meta(pairs: list[str]) -> dict[str, Any]:
 
 
 @artifact_app.command("commit")
-@handles_errors
+@opens_repo
 def commit(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     name: Annotated[str, typer.Argument(help="Artifact name, e.g. datasets/clean (parts joined by '/').")],
     path: Annotated[str, typer.Argument(help="Directory or file to commit.")],
     parent: Annotated[list[str], typer.Option("--parent", metavar="NAME@V",
@@ -131,7 +127,6 @@ def commit(
     as_json: JsonOpt = False,
 ) -> None:
     """Commit PATH as the next version of artifact NAME; writes only chunks the repository lacks."""
-    r = open_repo(repo_location(repo))
     with bar("committing", None) as advance:
         v = r.artifact(name).commit(path, parents=parent or None, metadata=_meta(meta), progress=advance)
     if as_json:
@@ -142,16 +137,16 @@ def commit(
 
 
 @artifact_app.command("ls")
-@handles_errors
+@opens_repo
 def ls(
     *,
-    repo: RepoOpt = None,
-    name: Annotated[Optional[str], typer.Argument(help="Artifact to list the files of (NAME or NAME@V); all "
+    r: Repo,
+    name: Annotated[Optional[str], typer.Argument(metavar="[NAME[@V]]", show_default=False,
+                                                  help="Artifact to list the files of (NAME or NAME@V); all "
                                                        "artifacts when omitted.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List artifacts with their latest version, or the files of one version."""
-    r = open_repo(repo_location(repo))
     if name is None:
         rows = [(n, r.artifact(n).get()) for n in r.artifact_names()]
         if as_json:
@@ -184,15 +179,19 @@ def ls(
 
 
 @artifact_app.command("log")
-@handles_errors
+@opens_repo
 def log(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     name: Annotated[str, typer.Argument(help="Artifact name.")],
     as_json: JsonOpt = False,
 ) -> None:
     """Every version of artifact NAME, oldest first, with what each wrote and its parents."""
-    r = open_repo(repo_location(repo))
+    print_log(r, name, as_json)
+
+
+def print_log(r: Repo, name: str, as_json: bool) -> None:
+    """`luopan artifact log NAME` (and `luopan ls NAME` of an artifact)."""
     art = r.artifact(name)
     versions = art.versions()
     if not versions:
@@ -218,16 +217,15 @@ def _missing(art: Artifact) -> int:
 
 
 @artifact_app.command("checkout")
-@handles_errors
+@opens_repo
 def checkout(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     ref: Annotated[str, typer.Argument(metavar="NAME[@V]", help="Artifact (latest version) or NAME@V.")],
     dest: Annotated[str, typer.Argument(help="New directory to create (must not exist).")],
     as_json: JsonOpt = False,
 ) -> None:
     """Write a version into the new directory DEST: every chunk verified, the directory appears whole."""
-    r = open_repo(repo_location(repo))
     name, version = split_ref(ref)
     art = r.artifact(name)
     v = art.get(version)
@@ -241,15 +239,19 @@ def checkout(
 
 
 @artifact_app.command("verify")
-@handles_errors
+@opens_repo
 def verify(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     ref: Annotated[str, typer.Argument(metavar="NAME[@V]", help="Artifact (every version) or NAME@V.")],
     as_json: JsonOpt = False,
 ) -> None:
     """Read every chunk of an artifact's versions (or of NAME@V) and check it. Exit 3 and name the damage if any."""
-    r = open_repo(repo_location(repo))
+    verify_artifact(r, ref, as_json)
+
+
+def verify_artifact(r: Repo, ref: str, as_json: bool) -> None:
+    """`luopan artifact verify NAME[@V]` (and `luopan verify NAME@V`)."""
     name, version = split_ref(ref)
     with bar("verifying", None) as advance:
         try:
@@ -268,10 +270,10 @@ def verify(
 
 
 @artifact_app.command("pin")
-@handles_errors
+@opens_repo
 def pin(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The version to protect.")],
     tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
     as_json: JsonOpt = False,
@@ -280,7 +282,7 @@ def pin(
     name, version = split_ref(ref)
     if version is None:
         raise UsageError(f"pin needs a version: NAME@V, e.g. {name}@1")
-    open_repo(repo_location(repo)).artifact(name).pin(version, tag)
+    r.artifact(name).pin(version, tag)
     if as_json:
         emit_json({"artifact": name, "version": version, "tag": tag, "pinned": True})
         return
@@ -288,10 +290,10 @@ def pin(
 
 
 @artifact_app.command("unpin")
-@handles_errors
+@opens_repo
 def unpin(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The version to unpin.")],
     as_json: JsonOpt = False,
 ) -> None:
@@ -299,7 +301,7 @@ def unpin(
     name, version = split_ref(ref)
     if version is None:
         raise UsageError(f"unpin needs a version: NAME@V, e.g. {name}@1")
-    if not open_repo(repo_location(repo)).artifact(name).unpin(version):
+    if not r.artifact(name).unpin(version):
         err.print(f"[bold red]error:[/] {escape(ref)} is not pinned")
         raise typer.Exit(4)
     if as_json:
@@ -309,10 +311,10 @@ def unpin(
 
 
 @artifact_app.command("prune")
-@handles_errors
+@opens_repo
 def prune(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     name: Annotated[str, typer.Argument(help="Artifact to prune.")],
     keep_last: Annotated[Optional[str], typer.Option("--keep-last", metavar="N",
                                                      help="Keep the N newest versions.")] = None,
@@ -326,20 +328,19 @@ def prune(
     """Remove versions a retention policy does not keep (the newest and pinned ones always stay); `luopan gc` then
     frees the chunks no other version or checkpoint uses."""
     rules = rules_from_flags(keep_last=keep_last, keep_every=keep_every, keep_tag=keep_tag)
-    decided = open_repo(repo_location(repo)).artifact(name).prune(rules, dry_run=dry_run)
+    decided = r.artifact(name).prune(rules, dry_run=dry_run)
     print_plan(decided, "artifact", name, dry_run, as_json)
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def lineage(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     ref: Annotated[str, typer.Argument(metavar="NAME@V", help="An artifact version or a checkpoint (run@step).")],
     as_json: JsonOpt = False,
 ) -> None:
     """What NAME@V was made from, up the graph, and the checkpoints and artifact versions that used it."""
-    r = open_repo(repo_location(repo))
     with usage_errors():  # what r.lineage refuses as invalid is the NAME@V typed (a@x): exit 2
         lin = r.lineage(ref)
     if as_json:

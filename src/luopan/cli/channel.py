@@ -11,19 +11,23 @@ from rich.text import Text
 
 from ..channel import publish as do_publish
 from ..channel import pull as do_pull
+from ..repo import Repo
 from ..units import parse_duration
-from .app import JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, open_repo, out, repo_location
+from .app import JsonOpt, app, emit_json, err, handles_errors, human, opens_repo, out
+from .grammar import LegacyStep, RunRef, checkpoint_ref, renamed, required
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def publish(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    step: Annotated[Optional[int], typer.Argument(help="Step to publish; the latest when omitted.")] = None,
-    channel: Annotated[str, typer.Option("--channel", help="Channel directory to write (created when missing); "
-                                         "serve it with any static web server.")],
+    r: Repo,
+    ref: RunRef,
+    legacy_step: LegacyStep = None,
+    channel_dir: Annotated[Optional[str], typer.Option(
+        "--channel-dir", metavar="DIR", show_default=False,
+        help="Channel directory to write (created when missing); serve it with any static web server. Required.")]
+    = None,
     sign: Annotated[str, typer.Option("--sign", help="Private key file (luopan key gen) that signs the index and "
                                       "the patches; devices trust its .pub.")],
     keep: Annotated[int, typer.Option(help="Make patches from this many of the latest published versions (older "
@@ -32,21 +36,28 @@ def publish(
                                          "it after that, so publish (or renew) before then.")] = "30d",
     subtree: Annotated[Optional[str], typer.Option(help="Publish only the tensors under this key path, e.g. model "
                                                    "(as `luopan export --subtree`).")] = None,
-    name: Annotated[Optional[str], typer.Option(help="The channel's name, fixed at its first publish (default: the "
-                                                "directory's name); a device follows one channel.")] = None,
+    channel_name: Annotated[Optional[str], typer.Option(
+        "--channel-name", metavar="NAME", help="The channel's name, fixed at its first publish (default: the "
+        "directory's name); a device follows one channel (luopan pull --channel-name).")] = None,
     trusted_keys: Annotated[Optional[str], typer.Option(
         "--trusted-keys", help="Directory of public keys (*.pub) that may have signed the channel's current index, "
         "besides --sign's own: the old key, when moving the channel to a new one.")] = None,
     min_version: Annotated[Optional[int], typer.Option(
         "--min-version", min=1, help="Give the new index at least this version: to publish again into a channel "
         "whose index.json was lost, above every index version devices have seen.")] = None,
+    old_channel: Annotated[Optional[str], typer.Option("--channel", hidden=True,
+                                                       help="Deprecated: --channel-dir.")] = None,
+    old_name: Annotated[Optional[str], typer.Option("--name", hidden=True, help="Deprecated: --channel-name.")]
+    = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Publish checkpoint STEP of RUN as the newest version of an update channel: its full safetensors file, a
-    signed patch from each of the last --keep versions to it, and a signed index (version = previous + 1, expiring
-    after --expires), written last. Publishing the newest version's content again only renews the index. The
+    """Publish checkpoint RUN@STEP (RUN alone: its latest) as the newest version of an update channel (the
+    directory --channel-dir): its full safetensors file, a signed patch from each of the last --keep versions to it,
+    and a signed index (version = previous + 1, expiring after --expires), written last. Publishing the newest version's content again only renews the index. The
     current index must verify against --sign's key (or --trusted-keys), and every file kept from it is checked."""
-    r = open_repo(repo_location(repo))
+    run, step = checkpoint_ref(ref, legacy_step, "publish", quiet=as_json)
+    channel = required(renamed(channel_dir, old_channel, "--channel", "--channel-dir", as_json), "--channel-dir DIR")
+    name = renamed(channel_name, old_name, "--name", "--channel-name", as_json)
     parse_duration(expires)  # a usage error before any work
     with err.status("publishing") as status:
         info = do_publish(r, run, step, channel, sign_key=sign, keep=keep, expires=expires, subtree=subtree,
@@ -85,15 +96,19 @@ def pull(
     state: Annotated[Optional[str], typer.Option("--state", help="This device's state file (written after each "
                                                  "update): with it, an index older than one already seen is refused "
                                                  "as a replay, and the base need not be hashed again.")] = None,
-    channel: Annotated[Optional[str], typer.Option("--channel", help="The channel's name: an index of another "
-                                                   "channel is refused, also on a first pull.")] = None,
+    channel_name: Annotated[Optional[str], typer.Option(
+        "--channel-name", metavar="NAME", help="The channel's name: an index of another channel is refused, also on "
+        "a first pull.")] = None,
     retries: Annotated[int, typer.Option(help="Retry a cut download this many times (each resumes where it "
                                          "stopped).", min=0, max=100)] = 3,
+    old_channel: Annotated[Optional[str], typer.Option("--channel", hidden=True,
+                                                       help="Deprecated: --channel-name.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Update a device's model file from a channel (luopan publish): check the index's signature, version (against
     --state) and expiry; download the smallest patch from the version the device has, or the full file, resuming a
     cut download (HTTP Range); verify; apply; record the new version in --state."""
+    channel = renamed(channel_name, old_channel, "--channel", "--channel-name", as_json)
     if state is None and not as_json:
         err.print("[yellow]note:[/] without --state, a replayed old (but unexpired) index cannot be told from the "
                   "newest one", highlight=False)

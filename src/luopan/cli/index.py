@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
+from ..errors import UsageError
 from ..index import IndexStore
 from ..index.kind import INDEX_KIND
+from ..repo import Repo
 from .app import (
     MARKUP,
     JsonOpt,
-    RepoOpt,
     app,
     emit_json,
-    handles_errors,
     human,
-    open_repo,
+    opens_repo,
     out,
-    repo_location,
     table,
 )
+from .grammar import checkpoint_ref
 
 index_app = typer.Typer(help="Vector-index snapshots (FAISS): list versions, roll the live one back.",
                         no_args_is_help=True, rich_markup_mode=MARKUP)
@@ -35,16 +35,15 @@ def _version_json(idx: IndexStore, info: dict[str, Any], live: int | None, pins:
 
 
 @index_app.command("ls")
-@handles_errors
+@opens_repo
 def ls(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     name: Annotated[str | None, typer.Argument(help="Index whose versions to list; all indexes when omitted.")]
     = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List indexes with their live version, or every version of index NAME."""
-    r = open_repo(repo_location(repo))
     if name is None:
         rows = []
         for n in INDEX_KIND.scan(r.store, None, False).runs:
@@ -90,17 +89,21 @@ def ls(
 
 
 @index_app.command("rollback")
-@handles_errors
+@opens_repo
 def rollback(
     *,
-    repo: RepoOpt = None,
-    name: Annotated[str, typer.Argument(help="Index name.")],
-    version: Annotated[int, typer.Argument(help="The version to make live.")],
+    r: Repo,
+    ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The index version to make live.")],
+    legacy_version: Annotated[Optional[int], typer.Argument(hidden=True, show_default=False,
+                                                            help="Deprecated: give NAME@V.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Make VERSION the live version of index NAME (atomically); ops logged against other versions are not
+    """Make version V the live version of index NAME (atomically); ops logged against other versions are not
     replayed on it."""
-    r = open_repo(repo_location(repo))
+    name, version = checkpoint_ref(ref, legacy_version, "index rollback", old="NAME V", quiet=as_json,
+                                   what="index version (NAME@V)")
+    if version is None:
+        raise UsageError(f"a version is needed: {name}@V")
     idx = IndexStore(r, name)
     previous = idx.current()
     idx.rollback(version)

@@ -13,34 +13,32 @@ from ..checkpoint.export import diff_manifests
 from ..checkpoint.resumes import list_resumes
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import manifest_key
-from .artifact import KindOpt, is_artifact_target, log as artifact_log
+from .artifact import KindOpt, is_artifact_target, print_log
 from .app import (
     JsonOpt,
-    RepoOpt,
     app,
     emit_json,
     err,
     escape,
-    handles_errors,
     human,
     json_ratio,
     json_safe,
     metrics_text,
     not_found,
-    open_repo,
+    opens_repo,
     out,
     ratio,
     ref_argument,
-    repo_location,
     report_strays,
     table,
 )
+from .grammar import LegacyStep, RunRef, checkpoint_ref, deprecated
 
 @app.command("ls")
-@handles_errors
+@opens_repo
 def ls(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     run: Annotated[Optional[str], typer.Argument(help="Run to list checkpoints of; all runs when omitted.")] = None,
     best: Annotated[Optional[str], typer.Option(
         "--best", metavar="METRIC[:min|max]",
@@ -51,10 +49,8 @@ def ls(
 ) -> None:
     """List runs (and artifacts), or the checkpoints of RUN with sizes, bytes newly written and dedup ratio. An
     artifact name lists its versions (as `luopan artifact log NAME`). With --best METRIC, only RUN's best checkpoint."""
-    repo = repo_location(repo)
     if best is not None and run is None:
         raise UsageError("--best needs a run: luopan ls RUN --best METRIC[:min|max]")
-    r = open_repo(repo)
     if best is not None:
         _best(r, run, best, as_json)
         return
@@ -90,7 +86,7 @@ def ls(
         out.print(t)
         return
     if is_artifact_target(r, run, kind):
-        artifact_log(repo=repo, name=run, as_json=as_json)
+        print_log(r, run, as_json)
         return
     cps, damaged = _checkpoints(r, run)
     if not cps and not damaged:
@@ -117,7 +113,7 @@ def ls(
                                                                    else ()))
     out.print(t)
     if damaged:
-        err.print(f"[bold red]{len(damaged)} damaged checkpoint(s)[/]; run `luopan verify -r {escape(repo)} "
+        err.print(f"[bold red]{len(damaged)} damaged checkpoint(s)[/]; run `luopan verify -r {escape(r.where)} "
                   f"{escape(run)}` for details")
         raise typer.Exit(3)
 
@@ -164,18 +160,17 @@ def _checkpoints(r: Repo, run: str) -> tuple[list[CheckpointInfo], list[tuple[in
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def show(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
+    r: Repo,
+    ref: RunRef,
+    legacy_step: LegacyStep = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Show one checkpoint: metadata, environment, code version and every entry. Without STEP, also the run's
+    """Show one checkpoint: metadata, environment, code version and every entry. Without @STEP, also the run's
     record (config, command line, packages, git commit and diff, environment with secrets redacted) and evals."""
-    repo = repo_location(repo)
-    r = open_repo(repo)
+    run, step = checkpoint_ref(ref, legacy_step, "show", quiet=as_json)
     m = r.manifest(run, step)
     doc = m.doc
     record = r.run(run).record() if step is None else None
@@ -265,31 +260,29 @@ def _print_record(rec: dict[str, Any], evals: list[int]) -> None:
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def diff(
     *,
-    repo: RepoOpt = None,
-    first: Annotated[str, typer.Argument(metavar="RUN | RUN_A@STEP", help="Run name, or the older checkpoint "
-                                                                       "as RUN@STEP.")],
-    second: Annotated[str, typer.Argument(metavar="STEP_A | RUN_B@STEP", help="Older step of RUN, or the newer "
-                                                                          "checkpoint as RUN@STEP.")],
-    third: Annotated[Optional[str], typer.Argument(metavar="[STEP_B]", help="Newer step of RUN.")] = None,
+    r: Repo,
+    first: Annotated[str, typer.Argument(metavar="RUN_A@STEP", help="The older checkpoint.")],
+    second: Annotated[str, typer.Argument(metavar="RUN_B@STEP", help="The newer checkpoint (of the same run or "
+                                                                      "another).")],
+    third: Annotated[Optional[str], typer.Argument(hidden=True, help="Deprecated: diff RUN STEP_A STEP_B.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List the entries that changed between two checkpoints, and how many bytes differ: two steps of one run
-    (diff RUN STEP_A STEP_B) or checkpoints of two runs (diff RUN_A@STEP RUN_B@STEP)."""
-    repo = repo_location(repo)
-    if "@" in first or "@" in second:
-        if third is not None or "@" not in first or "@" not in second:
-            raise UsageError("give two checkpoints of one run (luopan diff RUN STEP_A STEP_B) or two checkpoints "
-                             "as RUN@STEP (luopan diff RUN_A@STEP RUN_B@STEP)")
-        (run_a, step_a), (run_b, step_b) = (ref_argument(x, "checkpoint (RUN@STEP)") for x in (first, second))
+    """List the entries that changed between two checkpoints, and how many bytes differ: diff RUN@STEP_A
+    RUN@STEP_B (two steps of one run) or diff RUN_A@STEP RUN_B@STEP (checkpoints of two runs)."""
+    if third is not None:  # the deprecated RUN STEP_A STEP_B
+        if "@" in first or "@" in second:
+            raise UsageError("give two checkpoints as RUN@STEP: luopan diff RUN_A@STEP RUN_B@STEP")
+        old_a, old_b = _step(second), _step(third)
+        deprecated("luopan diff RUN STEP_A STEP_B", f"luopan diff {first}@{old_a} {first}@{old_b}", as_json)
+        (run_a, step_a), (run_b, step_b) = (first, old_a), (first, old_b)
+    elif "@" not in first or "@" not in second:
+        raise UsageError("give two checkpoints as RUN@STEP: luopan diff RUN@STEP_A RUN@STEP_B (one run) or luopan "
+                         "diff RUN_A@STEP RUN_B@STEP")
     else:
-        if third is None:
-            raise UsageError("diff needs RUN STEP_A STEP_B, or RUN_A@STEP RUN_B@STEP")
-        run_a = run_b = first
-        step_a, step_b = (_step(x) for x in (second, third))
-    r = open_repo(repo)
+        (run_a, step_a), (run_b, step_b) = (ref_argument(x, "checkpoint (RUN@STEP)") for x in (first, second))
     d = diff_manifests(r.manifest(run_a, step_a), r.manifest(run_b, step_b)) if run_a != run_b else \
         r.diff(run_a, step_a, step_b)
     d = {"from_run": run_a, **d}
@@ -321,11 +314,9 @@ def _step(text: str) -> int:
 
 
 @app.command()
-@handles_errors
-def du(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
+@opens_repo
+def du(*, r: Repo, as_json: JsonOpt = False) -> None:
     """Logical size of all checkpoints and artifact versions vs physical size on storage."""
-    repo = repo_location(repo)
-    r = open_repo(repo)
     report_strays(r)
     d = r.du()
     ratio = d["logical_bytes"] / d["physical_bytes"] if d["physical_bytes"] else 0.0

@@ -3,12 +3,14 @@ for ``luopan export --sign`` (the OpenSSF model_signing tool, luopan.interop).""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
+from ..repo import Repo
 from ..signing import generate_key
-from .app import MARKUP, JsonOpt, RepoOpt, app, emit_json, handles_errors, open_repo, out, repo_location
+from .app import MARKUP, JsonOpt, app, emit_json, handles_errors, opens_repo, out
+from .grammar import LegacyStep, RunRef, checkpoint_ref
 
 key_app = typer.Typer(help="Signing keys: Ed25519 for checkpoints and patches, ECDSA P-256 for model_signing.",
                       no_args_is_help=True, rich_markup_mode=MARKUP)
@@ -45,18 +47,18 @@ def gen(
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def sign(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
+    r: Repo,
+    ref: RunRef,
+    legacy_step: LegacyStep = None,
     key: Annotated[str, typer.Option("--key", "-k", help="Private key file (luopan key gen).")],
     as_json: JsonOpt = False,
 ) -> None:
     """Sign a checkpoint's content (its tree, metrics and every chunk's BLAKE3 address) with an Ed25519 key;
     `luopan verify --trusted-keys DIR` then checks it with the hashes."""
-    r = open_repo(repo_location(repo))
+    run, step = checkpoint_ref(ref, legacy_step, "sign", quiet=as_json)
     doc = r.sign(run, step, key)
     if as_json:
         emit_json({"run": run, "step": doc["step"], "key_id": doc["signature"]["key_id"], "content": doc["content"]})

@@ -8,6 +8,7 @@ import typer
 from rich.text import Text
 
 from ..errors import LuopanError
+from ..repo import Repo
 from ..repo import init as repo_init
 from ..format import FORMAT_VERSION
 from ..repository.locks import break_locks, list_locks, locked
@@ -24,12 +25,13 @@ from .app import (
     handles_errors,
     human,
     not_found,
-    open_repo,
+    opens_repo,
     out,
     print_plan,
     repo_location,
     report_strays,
 )
+from .grammar import LegacyStep
 
 
 @app.command()
@@ -58,10 +60,10 @@ def init(
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def upgrade(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the change; change nothing.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -71,7 +73,6 @@ def upgrade(
     and adds only the rows changed since (patch segments, §5.2). Nothing stored is rewritten, and every checkpoint
     loads as before; but luopan of an older format refuses the repository afterwards (upgrade it first). Takes the
     exclusive lock, so saves in flight finish first."""
-    r = open_repo(repo_location(repo))
     before = r.config.format_version
     after = max(before, FORMAT_VERSION)
     if after != before and not dry_run:
@@ -87,14 +88,13 @@ def upgrade(
         out.print(f"{verb} {r.store.describe()} from format {before} to {after}: later checkpoint manifests keep "
                   f"unchanged entries in entry groups and row deltas in segments; luopan reading only format "
                   f"{before} or older now refuses it", markup=False)
-    r.close()
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def prune(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     run: Annotated[str, typer.Argument(help="Run (or artifact) to prune.")],
     keep_last: Annotated[Optional[str], typer.Option("--keep-last", metavar="N",
                                                      help="Keep the N newest checkpoints.")] = None,
@@ -116,14 +116,11 @@ def prune(
     Categories are separate, each with its own count (restic-style): a checkpoint stays if any rule keeps it.
     Removing deletes manifests only; run `luopan gc` to free the space of data nothing references any more.
     """
-    repo = repo_location(repo)
-
     try:
         rules = rules_from_flags(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
                                  keep_every_steps=keep_every_steps, keep_tag=keep_tag)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    r = open_repo(repo)
     artifact = is_artifact_target(r, run, kind)
     try:
         if artifact:
@@ -138,21 +135,19 @@ def prune(
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def pin(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name (or artifact name; or NAME@V without STEP).")],
-    step: Annotated[Optional[int], typer.Argument(help="Step of the checkpoint (or artifact version) to protect.")]
-    = None,
+    r: Repo,
+    ref: Annotated[str, typer.Argument(metavar="RUN@STEP", help="The checkpoint (or artifact version, NAME@V) "
+                                                                "to protect.")],
+    legacy_step: LegacyStep = None,
     tag: Annotated[Optional[str], typer.Option("--tag", help="A name for the pin, e.g. release-1.")] = None,
     kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Protect a checkpoint (or artifact version): `luopan prune` never removes a pinned one."""
-    repo = repo_location(repo)
-    r = open_repo(repo)
-    run, step = name_and_number(run, step)
+    run, step = name_and_number(ref, legacy_step, "pin", as_json)
     artifact = is_artifact_target(r, run, kind)
     (r.artifact(run) if artifact else r.run(run)).pin(step, tag)
     if as_json:
@@ -163,19 +158,18 @@ def pin(
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def unpin(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name (or artifact name; or NAME@V without STEP).")],
-    step: Annotated[Optional[int], typer.Argument(help="Step (or artifact version) to unpin.")] = None,
+    r: Repo,
+    ref: Annotated[str, typer.Argument(metavar="RUN@STEP", help="The checkpoint (or artifact version, NAME@V) "
+                                                                "to unpin.")],
+    legacy_step: LegacyStep = None,
     kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove a pin (the checkpoint or artifact version itself stays until a prune removes it)."""
-    repo = repo_location(repo)
-    r = open_repo(repo)
-    run, step = name_and_number(run, step)
+    run, step = name_and_number(ref, legacy_step, "unpin", as_json)
     artifact = is_artifact_target(r, run, kind)
     if (r.artifact(run) if artifact else r.run(run)).unpin(step):
         if as_json:
@@ -201,10 +195,10 @@ def _grace(text: str) -> float:
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def gc(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     grace: Annotated[str, typer.Option("--grace", metavar="DURATION",
                                        help="How long unreferenced data is kept condemned before it is deleted "
                                             "(e.g. 1h, 30m; 0 deletes in this run: only when nothing else is "
@@ -221,9 +215,7 @@ def gc(
     grace period has passed and they are still unreferenced (so a process reading an old checkpoint is not cut
     off). Takes the repository's exclusive lock: saves wait for gc to finish. Safe to interrupt at any point.
     """
-    repo = repo_location(repo)
     seconds = _grace(grace)
-    r = open_repo(repo)
     report_strays(r)
     if as_json:
         rep = r.gc(grace=seconds, repack_below=repack_below, dry_run=dry_run)
@@ -260,12 +252,10 @@ def gc(
 
 
 @app.command()
-@handles_errors
-def locks(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
+@opens_repo
+def locks(*, r: Repo, as_json: JsonOpt = False) -> None:
     """List the repository's locks: saves hold shared ones, prune and gc an exclusive one."""
-    repo = repo_location(repo)
-
-    recs = list_locks(open_repo(repo).store)
+    recs = list_locks(r.store)
     if as_json:
         emit_json([r.to_json() for r in recs])
         return
@@ -278,18 +268,16 @@ def locks(*, repo: RepoOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def unlock(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     remove_all: Annotated[bool, typer.Option("--all", help="Remove every lock, not only stale ones: only when you "
                                                            "know no luopan process uses the repository.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove stale locks (their process is gone, or they were not refreshed for 30 min)."""
-    repo = repo_location(repo)
-
-    removed = break_locks(open_repo(repo).store, stale_only=not remove_all)
+    removed = break_locks(r.store, stale_only=not remove_all)
     if as_json:
         emit_json({"removed": [rec.to_json() for rec in removed]})
         return

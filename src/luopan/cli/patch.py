@@ -12,8 +12,11 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from ..errors import UsageError
 from ..patch import apply, create
+from ..repo import Repo
 from ..units import parse_bytes
-from .app import MARKUP, JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, open_repo, out, repo_location
+from .app import MARKUP, JsonOpt, RepoOpt, app, emit_json, err, handles_errors, human, open_repo, opens_repo, out, \
+    repo_location
+from .grammar import RUN_REF, checkpoint_ref, deprecated, parse_ref
 
 
 @contextmanager
@@ -30,14 +33,15 @@ app.add_typer(patch_app, name="patch")
 
 
 @patch_app.command("create")
-@handles_errors
+@opens_repo
 def create_cmd(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    from_step: Annotated[Optional[int], typer.Option("--from", help="Step of the base: the checkpoint the device "
-                                                     "already has (or give --from-file).")] = None,
-    to_step: Annotated[int, typer.Option("--to", help="Step of the target: what the device will have.")],
+    r: Repo,
+    ref: Annotated[str, typer.Argument(metavar=RUN_REF, show_default=False, help="The target checkpoint, what the "
+                                       "device will have: RUN@STEP, or RUN alone for its latest step.")],
+    from_step: Annotated[Optional[int], typer.Option("--from", metavar="STEP", help="Step of RUN that is the base: "
+                                                     "the checkpoint the device already has (or give --from-file).")]
+    = None,
     output: Annotated[str, typer.Option("--output", "-o", help="Patch file to write, e.g. update.lpatch.")],
     subtree: Annotated[Optional[str], typer.Option(help="Only the tensors under this key path (e.g. model), named "
                                                    "as `luopan export --subtree` names them.")] = None,
@@ -45,15 +49,17 @@ def create_cmd(
                                                 "patch with.")] = None,
     from_file: Annotated[Optional[str], typer.Option("--from-file", help="The base is this safetensors file, not a "
                                                      "checkpoint: its unchanged tensors are not carried.")] = None,
+    legacy_to: Annotated[Optional[int], typer.Option("--to", hidden=True, help="Deprecated: give RUN@STEP.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a patch from checkpoint --from (or the safetensors file --from-file) to checkpoint --to of RUN: the
+    """Write a patch from step --from of RUN (or the safetensors file --from-file) to checkpoint RUN@STEP: the
     target's tensor list, both content fingerprints and only the chunks the base lacks, compressed. Apply it with
     `luopan patch apply`."""
-    r = open_repo(repo_location(repo))
-    total = None if subtree else r.manifest(run, to_step).stats["logical_bytes"]
+    run, to_step = checkpoint_ref(ref, legacy_to, "patch create", old="RUN --to STEP", quiet=as_json)
+    target = r.manifest(run, to_step)
+    total = None if subtree else target.stats["logical_bytes"]
     with bar("creating", total) as (advance, _total):
-        info = create(r, run, from_step, to_step, output, subtree=subtree, sign_key=sign, from_file=from_file,
+        info = create(r, run, from_step, target.step, output, subtree=subtree, sign_key=sign, from_file=from_file,
                       progress=advance)
     if as_json:
         emit_json(info)
@@ -75,10 +81,12 @@ def apply_cmd(
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="safetensors file to write (appears "
                                                   "atomically; an existing one is replaced only on success).")] = None,
     repo: RepoOpt = None,
-    run: Annotated[Optional[str], typer.Option("--run", help="With -r: the run to commit to (the patch's target run "
-                                               "by default).")] = None,
-    step: Annotated[Optional[int], typer.Option("--step", help="With -r: the step to commit (the patch's target step "
-                                                "by default).")] = None,
+    into: Annotated[Optional[str], typer.Option("--into", metavar=RUN_REF, help="With -r: the checkpoint to commit, "
+                                                "RUN@STEP (the patch's target run and step by default; RUN alone: "
+                                                "the patch's target step).")] = None,
+    legacy_run: Annotated[Optional[str], typer.Option("--run", hidden=True, help="Deprecated: --into RUN.")] = None,
+    legacy_step: Annotated[Optional[int], typer.Option("--step", hidden=True, help="Deprecated: --into RUN@STEP.")]
+    = None,
     trusted_keys: Annotated[Optional[str], typer.Option("--trusted-keys", help="Directory of trusted public keys "
                                                         "(*.pub): the patch must be signed by one of them. Default: "
                                                         "$LUOPAN_TRUSTED_KEYS.")] = None,
@@ -103,6 +111,7 @@ def apply_cmd(
     if max_output is not None and output is None:
         raise UsageError("--max-output limits the file -o writes: give -o FILE")
     limit = parse_bytes(max_output) if max_output is not None else None
+    run, step = _commit_target(into, legacy_run, legacy_step, as_json)
     target: dict[str, Any] = {"out_path": output} if output is not None else {"repo": open_repo(repo_location(repo))}
     with bar("applying", None) as (advance, set_total):
         info = apply(patch, base, trusted_keys=trusted_keys, require_signature=require_signature, run=run, step=step,
@@ -122,3 +131,16 @@ def apply_cmd(
                   "$LUOPAN_TRUSTED_KEYS), so its signature was not checked", highlight=False)
     else:
         err.print("[yellow]note:[/] the patch is not signed", highlight=False)
+
+
+def _commit_target(into: Optional[str], legacy_run: Optional[str], legacy_step: Optional[int],
+                   quiet: bool) -> tuple[Optional[str], Optional[int]]:
+    """``--into RUN[@STEP]``, or the deprecated ``--run RUN --step STEP`` (either alone) with a note."""
+    if legacy_run is None and legacy_step is None:
+        return parse_ref(into) if into is not None else (None, None)
+    if into is not None:
+        raise UsageError("--run and --step are the old spelling of --into RUN@STEP: give --into alone")
+    old = " ".join(f for f, v in (("--run RUN", legacy_run), ("--step STEP", legacy_step)) if v is not None)
+    new = f"{legacy_run or 'RUN'}" + (f"@{legacy_step}" if legacy_step is not None else "")
+    deprecated(old, f"--into {new}", quiet)
+    return legacy_run, legacy_step

@@ -8,17 +8,21 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..errors import IntegrityError, UsageError
-from .artifact import KindOpt, is_artifact_target, verify as artifact_verify
-from .app import JsonOpt, RepoOpt, app, emit_json, err, escape, handles_errors, human, open_repo, out, repo_location
+from ..repo import Repo
+from .artifact import KindOpt, is_artifact_target, verify_artifact
+from .app import JsonOpt, app, emit_json, err, escape, human, opens_repo, out
+from .grammar import LegacyStep, RunRef, checkpoint_ref, renamed
 
 @app.command()
-@handles_errors
+@opens_repo
 def verify(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[Optional[str], typer.Argument(help="Run (or artifact, NAME or NAME@V) to verify; the whole "
-                                                      "repository when omitted.")] = None,
-    step: Annotated[Optional[int], typer.Argument(help="Step to verify; all steps of RUN when omitted.")] = None,
+    r: Repo,
+    ref: Annotated[Optional[str], typer.Argument(
+        metavar="[RUN[@STEP]]", show_default=False,
+        help="What to verify: RUN@STEP, RUN (every step), or an artifact NAME[@V]; the whole repository when "
+             "omitted.")] = None,
+    legacy_step: LegacyStep = None,
     trusted_keys: Annotated[Optional[str], typer.Option(
         "--trusted-keys", envvar="LUOPAN_TRUSTED_KEYS",
         help="Directory of trusted public keys (*.pub): every checkpoint must also be signed by one (luopan sign).")]
@@ -28,12 +32,11 @@ def verify(
 ) -> None:
     """Read every byte of the selected checkpoints (or artifact versions) and check every hash; without RUN, the whole
     repository: every checkpoint and artifact version, records, pins and index files. Exit 3 and name the damage."""
-    repo = repo_location(repo)
-    r = open_repo(repo)
-    if run is not None and (("@" in run and kind is None) or is_artifact_target(r, run, kind)):
+    run, step = checkpoint_ref(ref, legacy_step, "verify", quiet=as_json) if ref is not None else (None, None)
+    if run is not None and is_artifact_target(r, run, kind):
         if trusted_keys:
             raise UsageError("--trusted-keys checks checkpoint signatures; artifact versions are not signed")
-        artifact_verify(repo=repo, ref=run if step is None else f"{run}@{step}", as_json=as_json)
+        verify_artifact(r, run if step is None else f"{run}@{step}", as_json)
         return
     with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err, transient=True, disable=as_json) as bar:
@@ -53,7 +56,7 @@ def verify(
             for p in problems:
                 err.print(f"[bold red]DAMAGED[/] {escape(str(p))}", highlight=False)
             err.print(f"[bold red]{len(problems)} problem(s) found[/]; undamaged checkpoints stay loadable "
-                      "(run `luopan verify RUN STEP` to check one)")
+                      "(run `luopan verify RUN@STEP` to check one)")
             raise typer.Exit(3) from None
     if as_json:
         emit_json(_verify_json(report, []))
@@ -75,12 +78,12 @@ def _verify_json(report: Any, problems: list[Any]) -> dict[str, Any]:
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def export(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    step: Annotated[Optional[int], typer.Argument(help="Step; the latest when omitted.")] = None,
+    r: Repo,
+    ref: RunRef,
+    legacy_step: LegacyStep = None,
     output: Annotated[str, typer.Option("--output", "-o", help="safetensors file to write.")] = "model.safetensors",
     subtree: Annotated[Optional[str], typer.Option(help="Export only the tensors under this key path, e.g. model.")]
     = None,
@@ -88,16 +91,19 @@ def export(
                                           "luopan.hf): write a directory PeftModel.from_pretrained loads "
                                           "(adapter_model.safetensors + adapter_config.json) at --output, ./adapter by "
                                           "default.")] = False,
-    sign: Annotated[Optional[str], typer.Option(
-        "--sign", help="EC private key (luopan key gen --type ecdsa-p256): also write OUTPUT.sig, a signature the "
+    model_signing_key: Annotated[Optional[str], typer.Option(
+        "--model-signing-key", metavar="KEY", help="EC private key (luopan key gen --type ecdsa-p256): also write OUTPUT.sig, a signature the "
                        "OpenSSF model_signing tool verifies offline: model_signing verify key OUTPUT --signature "
                        "OUTPUT.sig --public_key KEY.pub. Needs pip install \"luopan[interop]\".")] = None,
+    old_sign: Annotated[Optional[str], typer.Option("--sign", hidden=True, help="Deprecated: --model-signing-key.")]
+    = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a checkpoint (or one subtree, e.g. the model weights) to a single safetensors file; with --adapter, a PEFT
-    adapter directory. With --sign KEY, also sign what was written for the model_signing tool (OUTPUT.sig)."""
-    repo = repo_location(repo)
-    r = open_repo(repo)
+    adapter directory. With --model-signing-key KEY, also sign what was written for the model_signing tool
+    (OUTPUT.sig)."""
+    run, step = checkpoint_ref(ref, legacy_step, "export", quiet=as_json)
+    sign = renamed(model_signing_key, old_sign, "--sign", "--model-signing-key", as_json)
     if sign is not None:  # before the export: a wrong key or a missing package fails fast, nothing written
         from ..interop import check_key, require_model_signing
 

@@ -14,32 +14,31 @@ from ..checkpoint.kind import CHECKPOINTS
 from ..checkpoint.removal import remove
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import check_run
+from ..repo import Repo
 from ..repository.verify import manifest_chunk_refs
 from .app import (
     JsonOpt,
-    RepoOpt,
     app,
     emit_json,
     err,
     escape,
-    handles_errors,
     human,
     json_ratio,
     not_found,
-    open_repo,
+    opens_repo,
     out,
     ratio,
-    repo_location,
     report_strays,
     table,
 )
+from .grammar import RUN_REF, checkpoint_ref
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def stats(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     run: Annotated[Optional[str], typer.Argument(help="Run to count; every run when omitted.")] = None,
     top: Annotated[int, typer.Option("--top", min=0, max=1000, help="How many of the largest entries to list.")]
     = 10,
@@ -48,7 +47,6 @@ def stats(
     """Checkpoints, logical size (what restoring them all would write), stored size (the distinct chunks they
     reference, as stored: compressed), dedup ratio, a per-run breakdown (with the bytes only that run references:
     what `luopan rm RUN` then `luopan gc` would free) and the largest entries of each run's newest checkpoint."""
-    r = open_repo(repo_location(repo))
     if run is not None:
         check_run(run)
     report_strays(r, run)
@@ -142,10 +140,10 @@ def stats(
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def check(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     read_data_subset: Annotated[Optional[str], typer.Option(
         "--read-data-subset", metavar="PCT|N/M",
         help="Also read and hash-check part of the data: a random percentage of the chunks (10%, 0.5%), or group N "
@@ -160,7 +158,6 @@ def check(
     if read_data and read_data_subset is not None:
         raise UsageError("give --read-data (everything) or --read-data-subset (a part), not both")
     subset = ALL if read_data else Subset.parse(read_data_subset) if read_data_subset is not None else None
-    r = open_repo(repo_location(repo))
     if subset is None or as_json or not err.is_terminal:  # a bar only where someone watches it
         rep = check_repo(r, subset)
     else:
@@ -190,21 +187,22 @@ def check(
 
 
 @app.command("rm")
-@handles_errors
+@opens_repo
 def rm(
     *,
-    repo: RepoOpt = None,
-    run: Annotated[str, typer.Argument(help="Run to remove (every checkpoint, its record and evals), or whose "
-                                            "checkpoint --step to remove.")],
-    step: Annotated[Optional[int], typer.Option("--step", min=0, help="Remove only this checkpoint.")] = None,
+    r: Repo,
+    ref: Annotated[str, typer.Argument(metavar=RUN_REF, help="The run to remove (every checkpoint, its record and "
+                                                             "evals), or one checkpoint of it as RUN@STEP.")],
+    legacy_step: Annotated[Optional[int], typer.Option("--step", min=0, hidden=True,
+                                                       help="Deprecated: give RUN@STEP.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Remove pinned checkpoints too (and their pins).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Remove a run, or one checkpoint of it (--step). Pinned checkpoints are refused unless --force. Removal
+    """Remove a run, or one checkpoint of it (RUN@STEP). Pinned checkpoints are refused unless --force. Removal
     deletes manifests (the run's `latest` ref stays pointing at a checkpoint that exists); the data only they used
     is freed by a later `luopan gc`. Safe to interrupt: run it again to finish."""
-    r = open_repo(repo_location(repo))
+    run, step = checkpoint_ref(ref, legacy_step, "rm", old="RUN --step STEP", quiet=as_json)
     done = remove(r, run, step, force=force, dry_run=dry_run)
     if as_json:
         emit_json(done.to_json())
@@ -222,15 +220,14 @@ def rm(
 
 
 @app.command()
-@handles_errors
+@opens_repo
 def latest(
     *,
-    repo: RepoOpt = None,
+    r: Repo,
     run: Annotated[str, typer.Argument(help="Run name.")],
     as_json: JsonOpt = False,
 ) -> None:
     """Print the newest committed step of RUN (for scripts: STEP=$(luopan latest RUN)); exit 4 if it has none."""
-    r = open_repo(repo_location(repo))
     steps = r.steps(run)
     if not steps:
         raise typer.Exit(not_found(r._no_checkpoint(run)))
