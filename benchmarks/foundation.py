@@ -232,7 +232,7 @@ def load_model_safetensors(model: Any, path: str, backend: str | None = None) ->
 def load_into_luopan(repo: Any, model: Any) -> Any:
     """``repo.load_into`` into the same model's parameters (their ``state_dict()`` views, written in place); every
     chunk BLAKE3-verified before it is copied in (luopan's default; there is no switch to turn it off)."""
-    return repo.load_into(RUN, model.state_dict(), STEP)
+    return repo.load_into(RUN, target=model.state_dict(), step=STEP)
 
 
 def resident_like(state: dict[str, Any]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def back_to_back(torch, repo, state, saves: int, overlap: bool) -> tuple[list[fl
         t = time.perf_counter()
         repo.save_async("bench", step, state, overlap=overlap)
         stalls.append(time.perf_counter() - t)
-    repo.drain()
+    repo.repository.drain()
     return stalls, [(time.perf_counter() - t0) / saves]
 
 

@@ -181,8 +181,8 @@ def _run(size_mib: int, reps: int, work: str, log: Any, rss: bool) -> dict[str, 
     base_bytes = sum(v.numel() * v.element_size() for v in step1.values())
     torch.save({k: v - step1[k] for k, v in changed.items()}, paths["delta"])  # the article's .delta
     del step1, step2
-    repo.export(RUN, paths["base"], 1, subtree="model")
-    repo.export(RUN, paths["target"], 2, subtree="model")
+    repo.export(RUN, path=paths["base"], step=1, subtree="model")
+    repo.export(RUN, path=paths["target"], step=2, subtree="model")
     log("creating the patch")
     create_s, info = timed(lambda: luopan.patch.create(repo, RUN, 1, 2, paths["patch"], subtree="model"))
     patch_bytes = os.path.getsize(paths["patch"])

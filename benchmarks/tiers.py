@@ -124,6 +124,7 @@ def build_state(size_mib: int, seed: int) -> dict[str, Any]:
 
 def t1_tiered_over_local(ctx: Context) -> list[dict[str, Any]]:
     import luopan
+    from luopan.checkpoint.kind import CHECKPOINTS
 
     a, b = build_state(ctx.size_mib, 1), build_state(ctx.size_mib, 2)
     nbytes = sum(x.nbytes for x in a.values())
@@ -145,9 +146,9 @@ def t1_tiered_over_local(ctx: Context) -> list[dict[str, Any]]:
                 else:
                     u1, u2 = s1, s2
                     t0 = time.perf_counter()
-                    ok = repo.wait_replicated(1800)
+                    ok = repo.tier.wait(1800)
                     lat = time.perf_counter() - t0
-                    status = repo.replication_status("run")
+                    status = repo.tier.status(CHECKPOINTS, "run")
                     bytes_sent = repo.tier.sent_bytes
                     if not ok or set(status.values()) != {"replicated"}:
                         raise RuntimeError(f"replication did not finish: {status}")

@@ -467,7 +467,7 @@ def test_tiered_artifacts_replicate_evict_and_read_back(tmp_path):
         for p in payloads:
             art.commit({"f.bin": p})
         assert repo.wait_replicated(timeout=60)
-        assert repo._tiered().status(repo.kinds[0], "ds/x") == {1: "remote", 2: "remote", 3: "replicated"}
+        assert repo.tier.status(repo.kinds[0], "ds/x") == {1: "remote", 2: "remote", 3: "replicated"}
         repo.gc(grace=0)  # frees what eviction left locally
         with art.open("f.bin", version=1) as f:  # read (and verified) from the remote
             assert f.read() == payloads[0]

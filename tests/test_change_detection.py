@@ -5,20 +5,20 @@ import pytest
 
 import luopan
 from luopan.checkpoint import deltaplan as plan_mod
-from luopan.checkpoint import save as save_mod
+from luopan.repository import chunkwriter as writer_mod
 
 
 def count_calls(monkeypatch, module_name, func_name):
-    """Replace <module_name>.<func_name> in the save pipeline (luopan.checkpoint.save, and the delta planner, which
-    hashes delta candidates) with a wrapper recording the size of each call's data."""
+    """Replace <module_name>.<func_name> in the save pipeline (the chunk writer, luopan.repository.chunkwriter, and
+    the delta planner, which hashes delta candidates) with a wrapper recording the size of each call's data."""
     calls = []
-    real = getattr(getattr(save_mod, module_name), func_name)
+    real = getattr(getattr(writer_mod, module_name), func_name)
 
     def counting(data):
         calls.append(len(data))
         return real(data)
 
-    for mod in (save_mod, plan_mod):
+    for mod in (writer_mod, plan_mod):
         monkeypatch.setattr(mod, module_name, type("Counting", (), {func_name: staticmethod(counting)}))
     return calls
 

@@ -1,42 +1,212 @@
-"""``luopan.open`` and ``luopan.Repo``: one repository holding every kind (checkpoints, artifacts), on the kind-agnostic
-core (luopan.repository)."""
+"""``luopan.open`` and ``luopan.Repo``: one repository holding every kind (checkpoints, artifacts, journals, index
+snapshots), composed on the kind-agnostic core (luopan.repository)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from .artifact.api import Artifacts
+from ._compat import deprecated_alias
+from ._moved import given as _given, moved, set_attribute as _set, step_second as _step_second
+from .artifact.api import Artifact
 from .artifact.kind import ARTIFACTS_KIND
 from .checkpoint.api import Checkpoints
-from .checkpoint.collective import Collective
+from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
 from .checkpoint.kind import CHECKPOINTS
 from .checkpoint.rowdelta import DeltaPolicy
+from .checkpoint.runrecord import Run
 from .errors import UsageError
 from .format.config import Compression, RepoConfig
+from .format.manifest import Manifest
 from .index.kind import INDEX_KIND
 from .journal.api import Journal
 from .journal.kind import JOURNAL_KIND
+from .repository.wal import DEFAULT_SEGMENT_BYTES
+from .repository.core import Repository
+from .repository.gc import DEFAULT_GRACE, DEFAULT_REPACK_BELOW, collect
+from .repository.gcreport import GcReport
 from .repository.locks import DEFAULT_TIMEOUT
 from .repository.opening import check_new, check_open_options, connect
 from .repository.preflight import DEFAULT_SPACE_MARGIN
 from .repository.tiersetup import attach
+from .repository.usage import usage
+from .retention import Plan, Rules
 from .store import Store
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .index.api import IndexStore
 
-class Repo(Collective, Checkpoints, Artifacts):
-    """A luopan repository: checkpoints of runs and versioned artifacts, sharing one content-addressed store.
-    Not safe for concurrent writes from several threads of one process."""
+KINDS = (ARTIFACTS_KIND, CHECKPOINTS, JOURNAL_KIND, INDEX_KIND)  # the kind registry, in resolve() order
 
-    kinds = (ARTIFACTS_KIND, CHECKPOINTS, JOURNAL_KIND, INDEX_KIND)  # resolve() tries them in this order
+
+class Repo:
+    """A luopan repository: checkpoints of runs, versioned artifacts, journals and vector-index snapshots, sharing one
+    content-addressed store. A thin composition (docs/architecture.md): ``repository`` is the kind-agnostic core
+    (luopan.repository.core.Repository), ``checkpointing`` the checkpoint kind (luopan.checkpoint.Checkpoints);
+    ``artifact``, ``journal`` and ``index`` open the other kinds' façades. Not safe for concurrent writes from several
+    threads of one process."""
+
+    kinds = KINDS  # resolve() tries them in this order
 
     def __init__(self, store: Store, config: RepoConfig, delta_policy: DeltaPolicy | None = None) -> None:
-        Checkpoints.__init__(self, store, config, delta_policy)
+        self.repository = Repository(store, config, KINDS)
+        self.checkpointing = Checkpoints(self.repository, delta_policy)
 
-    def journal(self, name: str = "main", fsync: str = "always", **options: Any) -> Journal:
+    def __repr__(self) -> str:
+        return f"luopan.Repo({self.repository.where!r})"
+
+    def __enter__(self) -> Repo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return moved(self, name)  # a name that moved off the public face: still works, with a DeprecationWarning
+
+    # -- what the repository is ---------------------------------------------------------------------------------
+    store = property(lambda self: self.repository.store)
+    config = property(lambda self: self.repository.config)
+    where = property(lambda self: self.repository.where)
+    tier = property(lambda self: self.repository.tier)  # the tiering of a tiered repository, else None
+    delta_policy = property(lambda self: self.checkpointing.delta_policy)
+    lock_timeout = property(lambda self: self.repository.lock_timeout, lambda self, v: _set(self.repository,
+                                                                                              "lock_timeout", v))
+    space_margin = property(lambda self: self.repository.space_margin, lambda self, v: _set(self.repository,
+                                                                                              "space_margin", v))
+    read_check = property(lambda self: self.checkpointing.read_check, lambda self, v: _set(self.checkpointing,
+                                                                                             "read_check", v))
+    progress = property(lambda self: self.checkpointing.progress, lambda self, v: _set(self.checkpointing,
+                                                                                         "progress", v))
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+    def save(self, run: str, step: int, state: Any, *, metrics: dict[str, Any] | None = None,
+             metadata: dict[str, Any] | None = None, overwrite: bool = False, trust_versions: bool = False,
+             touched_rows: dict[str, Any] | None = None, inputs: list[str] | None = None,
+             progress: bool | None = None, group: Any = None) -> CheckpointInfo:
+        """Save ``state`` (a nested dict/list of tensors, arrays and JSON values) as checkpoint ``step`` of ``run``:
+        only the chunks the repository lacks are written, and the checkpoint appears atomically (docs/format.md §10).
+        ``group`` (a process group, or True): every rank calls it, one checkpoint (luopan.checkpoint.collective).
+        See ``luopan.checkpoint.Checkpoints.save`` for every keyword."""
+        options = _given(metrics=metrics, metadata=metadata, overwrite=overwrite, trust_versions=trust_versions,
+                         touched_rows=touched_rows, inputs=inputs, progress=progress)
+        return self.checkpointing.save(run, step, state, group=group, **options)
+
+    def save_async(self, run: str, step: int, state: Any, *, metrics: dict[str, Any] | None = None,
+                   metadata: dict[str, Any] | None = None, overwrite: bool = False, trust_versions: bool = False,
+                   touched_rows: dict[str, Any] | None = None, inputs: list[str] | None = None,
+                   overlap: bool = True, progress: bool | None = None) -> SaveHandle:
+        """Copy ``state`` to host memory now and save it in the background; returns a SaveHandle (``.wait()``).
+        See ``luopan.checkpoint.Checkpoints.save_async``."""
+        return self.checkpointing.save_async(run, step, state, metrics=metrics, metadata=metadata,
+                                             overwrite=overwrite, trust_versions=trust_versions,
+                                             touched_rows=touched_rows, inputs=inputs, overlap=overlap,
+                                             progress=progress)
+
+    def load(self, run: str, step: int | None = None, *, group: Any = None) -> Any:
+        """The state of checkpoint ``step`` of ``run`` (the latest when None), every chunk verified."""
+        return self.checkpointing.load(run, step, group=group)
+
+    def load_into(self, run: str, step: int | None = None, target: Any = None, *, strict: bool = True,
+                  group: Any = None) -> Any:
+        """Load checkpoint ``step`` (the latest when None) of ``run`` into ``target`` (a module, optimizer or
+        state dict) in place. ``load_into(run, target, step)`` (the old order) still works, with a warning."""
+        step, target = _step_second("load_into", step, target, "target")
+        return self.checkpointing.load_into(run, target, step, strict=strict, group=group)
+
+    def export(self, run: str, step: int | None = None, path: str | os.PathLike[str] | None = None, *,
+               subtree: str | None = None, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
+        """Write checkpoint ``step`` (the latest when None) of ``run`` as one safetensors file at ``path``.
+        ``export(run, path, step)`` (the old order) still works, with a warning."""
+        step, path = _step_second("export", step, path, "path")
+        return self.checkpointing.export(run, path, step, subtree=subtree, progress=progress)
+
+    def diff(self, run: str, step: int, to_step: int) -> dict[str, Any]:
+        """Entries added, removed and changed from ``step`` to ``to_step`` of ``run``."""
+        return self.checkpointing.diff(run, step, to_step)
+
+    def verify(self, run: str | None = None, step: int | None = None, *,
+               progress: Callable[[int], Any] | None = None, on_total: Callable[[int], Any] | None = None,
+               trusted_keys: Any = None) -> VerifyReport:
+        """Read back and check every chunk of every manifest (of ``run``, of ``step``); see
+        ``luopan.checkpoint.Checkpoints.verify``."""
+        return self.checkpointing.verify(run, step, progress=progress, on_total=on_total, trusted_keys=trusted_keys)
+
+    def checkpoints(self, run: str) -> list[CheckpointInfo]:
+        """The committed checkpoints of ``run``, oldest first."""
+        return self.checkpointing.checkpoints(run)
+
+    def steps(self, run: str) -> list[int]:
+        """The committed steps of ``run``, ascending."""
+        return self.checkpointing.steps(run)
+
+    def runs(self) -> list[str]:
+        """The runs with at least one committed checkpoint, sorted."""
+        return self.checkpointing.runs()
+
+    def manifest(self, run: str, step: int | None = None) -> Manifest:
+        """The verified manifest of checkpoint ``step`` of ``run`` (the latest when None)."""
+        return self.checkpointing.manifest(run, step)
+
+    def run(self, name: str) -> Run:
+        """A run: its record, eval logs, pins and signatures (luopan.checkpoint.runrecord.Run)."""
+        return self.checkpointing.run(name)
+
+    def delete(self, run: str, step: int) -> bool:
+        """Remove checkpoint ``step`` of ``run`` now (pinned ones are refused); returns whether it existed."""
+        return self.checkpointing.delete(run, step)
+
+    def prune(self, run: str, retention: Rules | None = None, *, dry_run: bool = False,
+              missing_metrics: str = "error", rules: Rules | None = None) -> Plan:
+        """Remove the checkpoints of ``run`` that ``retention`` does not keep; see
+        ``luopan.checkpoint.Checkpoints.prune``."""
+        return self.checkpointing.prune(run, retention, dry_run=dry_run, missing_metrics=missing_metrics,
+                                        rules=rules)
+
+    # -- the other kinds --------------------------------------------------------------------------------------------
+    def artifact(self, name: str) -> Artifact:
+        """The artifact ``name`` ("datasets/clean": run names joined by '/'); it exists once committed."""
+        return Artifact(self.repository, name)
+
+    def journal(self, name: str = "main", fsync: str = "always", *, batch_records: int = 64,
+                batch_ms: float = 10.0, segment_bytes: int = DEFAULT_SEGMENT_BYTES, read_only: bool = False) -> Journal:
         """The journal ``name`` of this repository, opened for appending (docs/format.md §16); see
         ``luopan.journal.Journal`` for ``fsync`` and the other options."""
-        return Journal(self, fsync, name=name, **options)
+        return Journal(self.repository, fsync, name=name, batch_records=batch_records, batch_ms=batch_ms,
+                       segment_bytes=segment_bytes, read_only=read_only)
+
+    def index(self, name: str, *, fsync: str = "always") -> IndexStore:
+        """The vector index ``name`` of this repository (FAISS snapshots, docs/format.md §17)."""
+        from .index import IndexStore  # faiss-backed: loaded on first use
+
+        return IndexStore(self.repository, name, fsync=fsync)
+
+    # -- the whole repository ---------------------------------------------------------------------------------------
+    def gc(self, *, grace: float | None = None, repack_below: float | None = None, dry_run: bool = False,
+           log: Callable[[str], Any] | None = None, progress: Callable[[str], Any] | None = None) -> GcReport:
+        """Delete packs no manifest of any kind needs and repack mostly-dead ones (docs/format.md §10.3).
+
+        Two-phase: unreferenced packs are first condemned, and deleted by a gc run at least ``grace`` seconds
+        (default 1 h) later if still unreferenced; ``grace=0`` condemns and deletes in one run (use it when nothing
+        else reads the repository). Packs whose live blobs fill less than ``repack_below`` (default 0.5) are
+        rewritten. Takes the exclusive lock (writes wait). A tiered repository collects its local tier. ``log(msg)``
+        is called with a line as each phase starts (``progress=`` is its old name: every other ``progress`` callback
+        of luopan takes a number of bytes done). Returns a GcReport.
+        """
+        log = deprecated_alias(log, progress, "log", "progress")
+        return collect(self.repository, grace=DEFAULT_GRACE if grace is None else grace,
+                       repack_below=DEFAULT_REPACK_BELOW if repack_below is None else repack_below,
+                       dry_run=dry_run, log=log)
+
+    def du(self) -> dict[str, int]:
+        """Logical bytes over every manifest of every kind vs physical bytes in the store (``checkpoints``,
+        ``artifacts``: how many of each; ``damaged_manifests``: ones that could not be read)."""
+        return usage(self.repository)
+
+    def close(self) -> None:
+        """Wait for work in flight (raising its error if nobody saw it) and stop background threads."""
+        self.repository.close()
 
 
 def open(  # noqa: A001  (the public verb is luopan.open)
@@ -90,7 +260,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     repo.read_check = read_check
     repo.progress = bool(progress)
     if tiering is not None:
-        attach(repo, tiering, start=replicate)
+        attach(repo.repository, tiering, start=replicate)
     return repo
 
 

@@ -21,7 +21,7 @@ from ..errors import ArtifactNotFoundError, LuopanError, UsageError
 from ..format.canonical import canonical
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.names import artifact_manifest_key, check_artifact, check_version
-from ..repository.core import RepositoryCore
+from ..repository.core import Repository, repository_of
 from ..repository.pins import add_pin, read_pins, remove_pin
 from ..repository.preflight import fits
 from ..repository.pruning import prune_series
@@ -73,8 +73,8 @@ class ArtifactVersion:
 class Artifact:
     """A named artifact of a repository: ``repo.artifact("datasets/clean")``."""
 
-    def __init__(self, repo: Artifacts, name: str) -> None:
-        self.repo = repo
+    def __init__(self, repo: Repository | Any, name: str) -> None:
+        self.repo = repository_of(repo)  # composed with the core (a luopan.Repo gives its Repository)
         self.name = check_artifact(name)
 
     def __repr__(self) -> str:
@@ -181,7 +181,7 @@ class Artifact:
     def _missing(self, version: int | None = None) -> str:
         numbers = self.numbers()
         if not numbers:
-            names = self.repo.artifact_names()
+            names = artifact_names(self.repo)
             have = f"artifacts here: {', '.join(names[:20])}" if names else "the repository has no artifacts yet"
             return f"artifact {self.name!r} has no committed version ({have})"
         return (f"artifact {self.name!r} has no version {version}; committed versions: "
@@ -242,16 +242,9 @@ class Artifact:
                             missing=ArtifactNotFoundError(self._missing()))
 
 
-class Artifacts(RepositoryCore):
-    """The artifact verbs of a repository (part of luopan.Repo)."""
-
-    def artifact(self, name: str) -> Artifact:
-        """The artifact ``name`` ("datasets/clean": run names joined by '/'); it exists once committed."""
-        return Artifact(self, name)
-
-    def artifact_names(self) -> list[str]:
-        """Names of the artifacts with at least one committed version, sorted."""
-        return ARTIFACTS_KIND.scan(self.store, None, False).runs
+def artifact_names(repo: Any) -> list[str]:
+    """Names of the artifacts of a repository with at least one committed version, sorted."""
+    return ARTIFACTS_KIND.scan(repository_of(repo).store, None, False).runs
 
 
 def _json_object(name: str, value: Any) -> dict[str, Any]:

@@ -124,7 +124,7 @@ class Maintaining(Saving, Reading):
 
     def replication_status(self, run: str) -> dict[int, str]:
         """step -> "local" | "replicating" | "replicated" | "remote" (evicted locally) | "cold" of a tiered repo."""
-        return self._tiered().status(CHECKPOINTS, check_run(run))
+        return self.repository.tiered().status(CHECKPOINTS, check_run(run))
 
     def prune(self, run: str, retention: Rules | None = None, *, dry_run: bool = False,
               missing_metrics: str = "error", rules: Rules | None = None) -> Plan:

@@ -15,7 +15,7 @@ from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import Manifest, parse_manifest
 from ..format.names import check_run, check_step, manifest_key
 from ..repository.chunkio import blob_reader, read_chunks
-from ..repository.core import RepositoryCore
+from .base import CheckpointBase
 from ..store.base import KeyNotFound, Stray
 from ..tree import flatten, new_array, unflatten
 from . import catalog
@@ -24,7 +24,7 @@ from .info import CheckpointInfo
 from .read import check_rows, entry_jobs
 
 
-class Reading(RepositoryCore):
+class Reading(CheckpointBase):
     """The listing and reading verbs of a repository (part of luopan.Repo)."""
 
     # "blake3": every chunk a load reads is hashed and checked against its BLAKE3 address (the default). "xxh3"

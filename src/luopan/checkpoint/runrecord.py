@@ -34,7 +34,7 @@ from ..format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
 from ..format.manifest import decode_metrics, encode_metrics
 from ..format.names import check_run, check_step, eval_key, eval_prefix, latest_ref_key, record_key
 from ..format.refs import parse_ref
-from ..repository.core import RepositoryCore
+from .base import CheckpointBase
 from ..repository.pins import (
     add_pin,
     check_step_field,
@@ -193,7 +193,7 @@ def parse_eval(data: bytes, where: str, run: str | None = None, step: int | None
 class Run:
     """One run of a repository: its record and eval logs (checkpoints are on the Repo)."""
 
-    def __init__(self, repo: RepositoryCore, name: str) -> None:
+    def __init__(self, repo: CheckpointBase, name: str) -> None:
         check_run(name)
         self.repo = repo
         self.name = name

@@ -28,7 +28,7 @@ from ..format.canonical import canonical
 from ..format.chunking import chunk_spans
 from ..format.manifest import Manifest, Row, encode_metrics
 from ..format.names import check_run, check_step, manifest_key
-from ..repository.core import RepositoryCore
+from .base import CheckpointBase
 from ..repository.transaction import Transaction
 from ..repository.preflight import fits, refuse
 from ..tree import flatten
@@ -46,7 +46,7 @@ from .writectx import WriteContext
 from .staging import Staging
 
 
-class Saving(RepositoryCore):
+class Saving(CheckpointBase):
     """The save verbs of a repository (part of luopan.Repo)."""
 
     def _init_saving(self, delta_policy: DeltaPolicy | None) -> None:

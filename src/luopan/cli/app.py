@@ -226,7 +226,7 @@ def not_found(msg: str) -> int:
 def report_strays(r: Repo, run: str | None = None) -> None:
     """A line on stderr when the repository holds entries that are not luopan's (skipped by every command), and one
     when part of it cannot be read (a dangling link, an unreadable directory: checkpoints there are not seen)."""
-    strays = r.strays(run)
+    strays = r.checkpointing.strays(run)
     for unreadable, what in ((True, "cannot be read (checkpoints there are not listed, and gc will not run)"),
                              (False, "are not luopan's and were skipped")):
         group = [s for s in strays if s.unreadable == unreadable]

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from ..artifact import Artifact, ArtifactVersion
+from ..artifact import Artifact, ArtifactVersion, artifact_names
 from ..repo import Repo
 from ..errors import IntegrityError, UsageError
 from ..format.names import check_artifact, check_version, is_artifact_name, is_run_name
@@ -148,7 +148,7 @@ def ls(
 ) -> None:
     """List artifacts with their latest version, or the files of one version."""
     if name is None:
-        rows = [(n, r.artifact(n).get()) for n in r.artifact_names()]
+        rows = [(n, r.artifact(n).get()) for n in artifact_names(r)]
         if as_json:
             emit_json({"artifacts": [{**version_json(v), "versions": len(r.artifact(n).numbers())}
                                      for n, v in rows]})
@@ -341,8 +341,8 @@ def lineage(
     as_json: JsonOpt = False,
 ) -> None:
     """What NAME@V was made from, up the graph, and the checkpoints and artifact versions that used it."""
-    with usage_errors():  # what r.lineage refuses as invalid is the NAME@V typed (a@x): exit 2
-        lin = r.lineage(ref)
+    with usage_errors():  # what lineage refuses as invalid is the NAME@V typed (a@x): exit 2
+        lin = r.repository.lineage(ref)
     if as_json:
         emit_json({"ref": lin.ref, "kind": lin.kind, "parents": lin.parents, "ancestors": lin.ancestors,
                    "edges": [list(e) for e in lin.edges], "used_by": lin.used_by, "missing": lin.missing})

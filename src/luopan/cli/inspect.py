@@ -7,6 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..artifact import artifact_names
 from ..checkpoint.info import CheckpointInfo
 from ..repo import Repo
 from ..checkpoint.export import diff_manifests
@@ -64,7 +65,7 @@ def ls(
                          "latest_step": last.step if last else None, "latest_time": last.created if last else "",
                          "logical_bytes": sum(c.logical_bytes for c in cps),
                          "stored_bytes": sum(c.stored_bytes for c in cps)})
-        artifacts = [{"artifact": n, "versions": len(r.artifact(n).numbers())} for n in r.artifact_names()]
+        artifacts = [{"artifact": n, "versions": len(r.artifact(n).numbers())} for n in artifact_names(r)]
         if as_json:
             emit_json({"runs": rows, "artifacts": artifacts})
             return
@@ -93,7 +94,7 @@ def ls(
         raise typer.Exit(not_found(f"run {run!r} has no checkpoints"))
     for step, why in damaged:
         err.print(f"[bold red]DAMAGED[/] step {step}: {escape(why)}", highlight=False)
-    tiers = r.replication_status(run) if r.tier is not None else None  # tiered: local/replicating/replicated/…
+    tiers = r.checkpointing.replication_status(run) if r.tier is not None else None  # tiered: local/replicating/replicated/…
     if as_json:
         emit_json({"run": run, "damaged": [{"step": s, "error": w} for s, w in damaged], "checkpoints": [
             {"step": c.step, "created": c.created, "metrics": json_safe(c.metrics),

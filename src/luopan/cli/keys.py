@@ -59,7 +59,7 @@ def sign(
     """Sign a checkpoint's content (its tree, metrics and every chunk's BLAKE3 address) with an Ed25519 key;
     `luopan verify --trusted-keys DIR` then checks it with the hashes."""
     run, step = checkpoint_ref(ref, legacy_step, "sign", quiet=as_json)
-    doc = r.sign(run, step, key)
+    doc = r.checkpointing.sign(run, step, key)
     if as_json:
         emit_json({"run": run, "step": doc["step"], "key_id": doc["signature"]["key_id"], "content": doc["content"]})
         return

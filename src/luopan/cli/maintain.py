@@ -77,7 +77,7 @@ def upgrade(
     after = max(before, FORMAT_VERSION)
     if after != before and not dry_run:
         with locked(r.store, "exclusive", "format upgrade", timeout=r.lock_timeout):
-            r.require_format(after)
+            r.repository.require_format(after)
     if as_json:
         emit_json({"repository": r.store.describe(), "format_version_before": before, "format_version": after,
                    "changed": after != before and not dry_run, "dry_run": dry_run})

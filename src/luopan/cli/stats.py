@@ -230,7 +230,7 @@ def latest(
     """Print the newest committed step of RUN (for scripts: STEP=$(luopan latest RUN)); exit 4 if it has none."""
     steps = r.steps(run)
     if not steps:
-        raise typer.Exit(not_found(r._no_checkpoint(run)))
+        raise typer.Exit(not_found(r.checkpointing._no_checkpoint(run)))
     if as_json:
         emit_json({"run": run, "step": steps[-1], "checkpoints": len(steps)})
         return

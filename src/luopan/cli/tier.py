@@ -47,7 +47,7 @@ def replicate(
             raise typer.Exit(1)
         r.tier.local_retention = rules
         r.tier.start()
-        done = r.wait_replicated(timeout)
+        done = r.repository.tiered().wait(timeout)
         if rules is not None:
             for kind in r.kinds:
                 for series in kind.scan(r.tier.local, None, False).runs:

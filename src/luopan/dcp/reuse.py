@@ -88,8 +88,8 @@ class Reuse:
 
     def _chunks_there(self, entry: dict[str, Any]) -> bool:
         if self.checker is None:
-            self.checker = self.repo.pack_checker()
-            self.known = self.repo.chunk_index()
+            self.checker = self.repo.repository.pack_checker()
+            self.known = self.repo.repository.chunk_index()
         known = self.known or {}
         for r in entry["chunks"]:
             where = BlobLocation(r[1], r[2], r[3], r[4], r[5])

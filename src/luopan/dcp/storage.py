@@ -124,7 +124,7 @@ class Writer(StorageWriter):
                 kept[path] = previous
                 continue
             tensors.append((path, t.cpu() if t.device.type != "cpu" else t))
-        stored = repo.store_entries(tensors) if tensors else None
+        stored = repo.checkpointing.store_entries(tensors) if tensors else None
         entries = {e["path"]: e for e in stored.entries} if stored else {}
         if reuse is not None:
             for path, e in entries.items():
@@ -164,7 +164,7 @@ class Writer(StorageWriter):
         for fqn, parts in shards.items():
             nodes[fqn] = {"dict": [[name, node] for name, node in sorted(parts.items())]}
         tree = {"dict": [[fqn, node] for fqn, node in sorted(nodes.items())]}
-        self.info = repo.commit_entries(self.run, self.step, entries, tree, metrics=self.metrics,
+        self.info = repo.checkpointing.commit_entries(self.run, self.step, entries, tree, metrics=self.metrics,
                                         extra={"dcp": encode_metadata(metadata, storage)}, overwrite=self.overwrite,
                                         written=written)
 
@@ -266,7 +266,7 @@ class Reader(StorageReader):
                 continue
             i = info["entry"]
             if i not in cache:
-                cache[i] = repo.load_entry(m, i)
+                cache[i] = repo.checkpointing.load_entry(m, i)
             src_part = cache[i]
             try:
                 for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):

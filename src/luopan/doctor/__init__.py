@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 from collections.abc import Callable
 
 from ..errors import LuopanError
-from ..repository.core import RepositoryCore
+from ..repository.core import Repository
 from ..store import Store
 from . import filesystem
 from .context import Context, open_readonly
@@ -53,7 +54,7 @@ def default_free_bytes(store: Store) -> int | None:
 
 
 def run_checks(
-    repo_or_path: RepositoryCore | str | os.PathLike[str] | Store,
+    repo_or_path: Repository | Any | str | os.PathLike[str] | Store,
     *,
     full: bool = False,
     free_bytes: Callable[[Store], int | None] | None = None,
@@ -64,7 +65,7 @@ def run_checks(
     RepoNotFoundError when there is none). ``full`` reads every chunk of each newest checkpoint instead of a sample.
     ``free_bytes(store)``, ``mount_of(path)`` and ``now()`` replace the probes of free space, the filesystem a path
     is on (luopan.doctor.filesystem.Mount) and the clock. A check that cannot run reports a warning."""
-    owned = not isinstance(repo_or_path, RepositoryCore)
+    owned = isinstance(repo_or_path, (str, os.PathLike, Store))
     repo = open_readonly(repo_or_path) if owned else repo_or_path
     ctx = Context(repo, full, free_bytes or default_free_bytes, mount_of or filesystem.mount_of, now or time.time)
     findings: list[Finding] = []

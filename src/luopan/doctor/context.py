@@ -91,7 +91,7 @@ class Context:
                 for series in cat.runs:
                     number = cat.steps[series][-1]
                     try:
-                        doc, error = self.repo.read_manifest(kind, series, number), None
+                        doc, error = self.repo.repository.read_manifest(kind, series, number), None
                     except (LuopanError, OSError) as exc:  # damaged, newer or unreadable: a finding of `verify`
                         doc, error = None, exc
                     found.append(Newest(kind, series, number, doc, error))

@@ -71,7 +71,7 @@ def check_temporaries(ctx: Context) -> list[Finding]:
 
 
 def check_strays(ctx: Context) -> list[Finding]:
-    strays = ctx.repo.strays(everywhere=True)
+    strays = ctx.repo.checkpointing.strays(everywhere=True)
     unreadable = [s for s in strays if s.unreadable]
     foreign = [s for s in strays if not s.unreadable]
     out = []

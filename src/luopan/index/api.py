@@ -31,7 +31,7 @@ from ..errors import (
 from ..format.canonical import canonical, sealed_checksum
 from ..format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_BYTES
 from ..format.names import check_step
-from ..repository.core import RepositoryCore
+from ..repository.core import repository_of
 from ..repository.locks import locked
 from ..repository.pins import add_pin, read_pins, remove_pin
 from ..repository.verify import raise_problems, verify_manifests
@@ -97,9 +97,11 @@ class IndexStore:
     """
 
     def __init__(self, repo: Any, name: str, *, fsync: str = "always") -> None:
-        if not isinstance(repo, RepositoryCore):
+        try:
+            repo = repository_of(repo)  # composed with the core (a luopan.Repo gives its Repository)
+        except TypeError:
             raise ArgumentTypeError(f"IndexStore takes an open repository, not a {type(repo).__name__}: "
-                                    "IndexStore(luopan.open(path), name)")
+                                    "IndexStore(luopan.open(path), name), or repo.index(name)") from None
         self.repo = repo
         self.name = check_index(name)
         self._oplog = OpLog(repo, self.name, fsync)

@@ -17,7 +17,8 @@ from typing import Any
 
 from ..errors import CorruptJournalError, CorruptManifestError, ManifestNotFoundError, UsageError
 from ..format.canonical import json_culprit
-from ..repository.core import RepositoryCore
+from ..repository.core import Repository, repository_of
+from ..store.base import Store
 from ..repository.opening import connect
 from ..repository.pins import read_pins
 from ..repository.pruning import prune_series
@@ -64,7 +65,7 @@ def decode_record(payload: bytes, where: str, seq: int) -> Any:
                               f"{tag!r}): it was written by something else")
 
 
-def _local_root(repo: RepositoryCore) -> str:
+def _local_root(repo: Repository) -> str:
     store = repo.store
     if isinstance(store, TieredStore):
         store = store.local
@@ -80,19 +81,19 @@ class Journal:
     crash can lose the records of the last ``batch_records`` records or ``batch_ms`` milliseconds, whichever is
     fewer) or ``"off"``. One writer at a time per journal; ``read_only=True`` reads beside it. Thread-safe."""
 
-    def __init__(self, location: str | os.PathLike[str] | RepositoryCore, fsync: str = "always", *,
+    def __init__(self, location: str | os.PathLike[str] | Repository | Any, fsync: str = "always", *,
                  name: str = "main", batch_records: int = 64, batch_ms: float = 10.0,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, read_only: bool = False) -> None:
         check_journal(name)
         check_options(fsync, batch_records, batch_ms, segment_bytes)
         self.name = name
-        if isinstance(location, RepositoryCore):
-            self.repo, self._own_repo = location, False
+        if not isinstance(location, (str, os.PathLike, Store)):
+            self.repo, self._own_repo = repository_of(location), False  # a luopan.Repo gives its Repository
         else:
             store, config, _tiering = connect(location, create=not read_only, chunk_size=None, pack_size=None,
                                               compression=None, replicate_to=None, local_retention=None, cold=None,
                                               storage_options=None)
-            self.repo, self._own_repo = RepositoryCore(store, config), True
+            self.repo, self._own_repo = Repository(store, config), True
         self.directory = os.path.join(_local_root(self.repo), *log_prefix(name).rstrip("/").split("/"))
         for attempt in range(3):  # read-only, a writer compacting meanwhile can make one look inconsistent
             latest = self._latest_number() or 0

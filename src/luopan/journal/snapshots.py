@@ -16,7 +16,7 @@ from ..format.canonical import json_culprit
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..repository.chunkio import ChunkRef, read_chunks
 from ..repository.chunkstore import store_chunks
-from ..repository.core import RepositoryCore
+from ..repository.core import Repository
 from ..store.base import KeyNotFound
 from ..units import format_bytes
 from .kind import JOURNAL_KIND
@@ -89,7 +89,7 @@ def _cdc(data: bytes) -> Iterator[tuple[int, memoryview]]:
         yield 0, view[c.offset : c.offset + c.length]
 
 
-def store_snapshot(repo: RepositoryCore, name: str, seq: int, value: Any, metadata: dict[str, Any],
+def store_snapshot(repo: Repository, name: str, seq: int, value: Any, metadata: dict[str, Any],
                    records: int) -> dict[str, Any]:
     """Commit the snapshot covering records < ``seq`` (packs, index file, then the manifest with put_if_absent);
     returns its manifest document. A snapshot at ``seq`` already committed with the same bytes is returned as is."""
@@ -126,7 +126,7 @@ def store_snapshot(repo: RepositoryCore, name: str, seq: int, value: Any, metada
                                 "that changed the state before compacting again")
 
 
-def read_snapshot(repo: RepositoryCore, doc: dict[str, Any], key: str) -> Snapshot:
+def read_snapshot(repo: Repository, doc: dict[str, Any], key: str) -> Snapshot:
     """The snapshot a manifest describes, every chunk verified against its BLAKE3 as it is read."""
     e = doc["entries"][0]
     owner = f"journal {doc['name']!r} snapshot {doc['seq']}"

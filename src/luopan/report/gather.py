@@ -246,7 +246,7 @@ def gather_artifact(repo: Any, name: str) -> list[ArtifactVersionData]:
     out = []
     for v in art.numbers():
         try:
-            doc = repo.read_manifest(ARTIFACTS_KIND, name, v)
+            doc = repo.repository.read_manifest(ARTIFACTS_KIND, name, v)
         except UNREADABLE:
             continue
         files = sum(1 for e in doc["entries"] if e.get("type") == "file")
@@ -264,7 +264,7 @@ def gather_journals(repo: Any) -> dict[str, list[SnapshotData]]:
         snaps = []
         for seq in JOURNAL_KIND.scan(repo.store, name, False).steps.get(name, []):
             try:
-                doc = repo.read_manifest(JOURNAL_KIND, name, seq)
+                doc = repo.repository.read_manifest(JOURNAL_KIND, name, seq)
             except UNREADABLE:
                 continue
             snaps.append(SnapshotData(name, seq, doc["created"], dict(doc["stats"]), pins.get(seq),
@@ -288,7 +288,7 @@ def gather_indexes(repo: Any) -> dict[str, list[SnapshotData]]:
             snaps = []
             for v in idx.versions():
                 try:
-                    doc = repo.read_manifest(INDEX_KIND, name, v)
+                    doc = repo.repository.read_manifest(INDEX_KIND, name, v)
                 except UNREADABLE:
                     continue
                 detail = f"{doc.get('index_type', '?')}, {doc.get('ntotal', '?')} vectors of dim {doc.get('dim', '?')}"
@@ -326,8 +326,9 @@ def gather(repo: Any, targets: list[str] | None = None) -> ReportData:
     (an unknown name raises CheckpointNotFoundError)."""
     from ..errors import CheckpointNotFoundError
     from ..format.names import is_artifact_name, is_run_name
+    from ..artifact import artifact_names
     list_resumes = resumes_api()
-    run_names, art_names = repo.runs(), repo.artifact_names()
+    run_names, art_names = repo.runs(), artifact_names(repo)
     selected = bool(targets)
     if targets:
         runs_sel: list[str] = []

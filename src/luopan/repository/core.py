@@ -1,23 +1,22 @@
-"""The open repository as the core knows it: store, config, the chunk index saves deduplicate against, locks'
-timeout, the space margin, tiering, gc and du over every kind (docs/format.md §2a). Kinds add their verbs by
-subclassing ``RepositoryCore`` (luopan.checkpoint.api.Checkpoints, luopan.artifact.api.Artifacts)."""
+"""The open repository as the core knows it (docs/format.md §2a): store, config, the kind registry, the chunk index
+writes deduplicate against, the commit listeners (tiering is one), locks' timeout and the space margin; open/close.
+It has no verbs of any kind: each kind is a façade composed with a ``Repository`` (luopan.checkpoint.Checkpoints,
+luopan.artifact.Artifact, luopan.journal.Journal, luopan.index.IndexStore), and luopan.Repo composes them. Every
+write goes through ``transaction()`` (luopan.repository.transaction) and its chunk writer."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
 from collections.abc import Callable
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from .._compat import deprecated_alias
 from ..errors import (
     IntegrityError,
     InvalidNameError,
     LuopanError,
     ManifestNotFoundError,
     StorageError,
-    UnsupportedFormatError,
 )
 from ..format.config import RepoConfig
 from ..format.index import parse_index
@@ -25,8 +24,6 @@ from ..format.limits import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from ..format.names import CONFIG_KEY, is_index_key, parse_ref_text
 from ..format.pack import BlobLocation
 from ..store.base import KeyNotFound, Store
-from .gc import DEFAULT_GRACE, DEFAULT_REPACK_BELOW, collect
-from .gcreport import GcReport
 from .kinds import Kind
 from .lineage import Lineage, lineage
 from .locks import DEFAULT_TIMEOUT
@@ -39,14 +36,17 @@ if TYPE_CHECKING:  # pragma: no cover  (tier.py attaches itself to an open repos
     from .tier import Tier
 
 
-class RepositoryCore:
+class Repository:
     """A luopan repository, kind-agnostic part. Not safe for concurrent writes from several threads of one process."""
 
-    kinds: tuple[Kind, ...] = ()  # set by the class that combines the kinds (luopan.repo.Repo)
-
-    def __init__(self, store: Store, config: RepoConfig) -> None:
+    def __init__(self, store: Store, config: RepoConfig, kinds: tuple[Kind, ...] = ()) -> None:
         self.store = store
         self.config = config
+        self.kinds = kinds  # the kind registry: resolve() tries them in this order
+        # What the kinds composed with this repository hold in flight (a background save): drain() waits for it,
+        # close() then frees it (background threads, buffers).
+        self.drainers: list[Callable[[], None]] = []
+        self.releasers: list[Callable[[], None]] = []
         self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a write waits for prune/gc (None: forever)
         self.space_margin: float = DEFAULT_SPACE_MARGIN  # preflight: free space needed / estimated bytes (0: off)
         self.listeners: list[Any] = []  # commit listeners: told of every write and commit (tiering is one)
@@ -58,7 +58,7 @@ class RepositoryCore:
     def __repr__(self) -> str:
         return f"luopan.Repo({self.store.describe()!r})"
 
-    def __enter__(self) -> RepositoryCore:
+    def __enter__(self) -> Repository:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -83,18 +83,20 @@ class RepositoryCore:
 
     def drain(self) -> None:
         """Wait for work of this process in flight (a kind's background save); raise its unseen error."""
-
-    def _release(self) -> None:
-        """Free what the kinds hold (background threads, buffers) once nothing is in flight."""
+        for drain in self.drainers:
+            drain()
 
     def close(self) -> None:
         """Wait for work in flight (raising its error if nobody saw it) and stop background threads."""
         try:
             self.drain()
         finally:
-            self._release()
-            if self.tier is not None:  # stops after the pack in progress; the rest stays pending for the next open
-                self.tier.close()
+            try:
+                for release in self.releasers:
+                    release()
+            finally:
+                if self.tier is not None:  # stops after the pack in progress; the rest stays pending for next open
+                    self.tier.close()
 
     # -- writing: the one transaction and chunk writer every kind commits through ------------------------------
     def transaction(self, kind: Kind, series: str, number: int | None, *, what: str, estimate: int | None = None,
@@ -196,61 +198,19 @@ class RepositoryCore:
         key = kind.manifest_key(series, number)
         return kind.parse(self.store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number, self.store)
 
-    # -- maintenance ----------------------------------------------------------------------------------------------
-    def gc(self, *, grace: float | None = None, repack_below: float | None = None, dry_run: bool = False,
-           log: Callable[[str], Any] | None = None, progress: Callable[[str], Any] | None = None) -> GcReport:
-        """Delete packs no manifest of any kind needs and repack mostly-dead ones (docs/format.md §10.3).
-
-        Two-phase: unreferenced packs are first condemned, and deleted by a gc run at least ``grace`` seconds
-        (default 1 h) later if still unreferenced; ``grace=0`` condemns and deletes in one run (use it when nothing
-        else reads the repository). Packs whose live blobs fill less than ``repack_below`` (default 0.5) are
-        rewritten. Takes the exclusive lock (writes wait). A tiered repository collects its local tier. ``log(msg)``
-        is called with a line as each phase starts (``progress=`` is its old name: every other ``progress`` callback
-        of luopan takes a number of bytes done). Returns a GcReport.
-        """
-        log = deprecated_alias(log, progress, "log", "progress")
-        return collect(self, grace=DEFAULT_GRACE if grace is None else grace,
-                       repack_below=DEFAULT_REPACK_BELOW if repack_below is None else repack_below,
-                       dry_run=dry_run, log=log)
-
-    def du(self) -> dict[str, int]:
-        """Logical bytes over every manifest of every kind vs physical bytes in the store (``checkpoints``,
-        ``artifacts``: how many of each; ``damaged_manifests``: ones that could not be read)."""
-        out: dict[str, int] = {k.count_key: 0 for k in self.kinds}
-        logical = damaged = 0
-        for kind in self.kinds:
-            for series, number in kind.scan(self.store, None, False).pairs():
-                try:
-                    logical += self.read_manifest(kind, series, number)["stats"]["logical_bytes"]
-                except (IntegrityError, UnsupportedFormatError, StorageError, KeyNotFound):
-                    damaged += 1  # counted, not fatal: `verify` names it
-                    continue
-                out[kind.count_key] += 1
-        sizes = {"packs": 0, "index": 0, "refs": 0, **{k.root.rstrip("/"): 0 for k in self.kinds}}
-        for top in sizes:
-            for key in self.store.list(top + "/"):
-                try:
-                    sizes[top] += self.store.size(key)
-                except (KeyNotFound, StorageError):
-                    pass
-        manifests = sum(sizes[k.root.rstrip("/")] for k in self.kinds)
-        out.update({"damaged_manifests": damaged, "logical_bytes": logical, "physical_bytes": sum(sizes.values()),
-                    "pack_bytes": sizes["packs"], "index_bytes": sizes["index"], "manifest_bytes": manifests,
-                    "ref_bytes": sizes["refs"]})
-        return out
-
     # -- tiered storage (docs/format.md §10.2) -------------------------------------------------------------------
-    def _tiered(self) -> Tier:
+    def tiered(self) -> Tier:
+        """The tiering of this repository; LuopanError when it is not tiered."""
         if self.tier is None:
             raise LuopanError(f"{self.where} is not a tiered repository: open it with replicate_to=URL")
         return self.tier
 
-    def wait_replicated(self, timeout: float | None = None) -> bool:
-        """Block until every manifest queued for replication is confirmed on the remote (True), or ``timeout``
-        seconds pass (False). ReplicationError names the ones that cannot be replicated."""
-        return self._tiered().wait(timeout)
 
-    def apply_cold_policy(self, now: datetime | None = None, *, dry_run: bool = False) -> list[tuple[str, int]]:
-        """Move manifests older than the cold policy's threshold (not pinned, already replicated) to the cold
-        store; returns the (series, number) moved."""
-        return self._tiered().apply_cold_policy(now, dry_run=dry_run)
+def repository_of(repo: Any) -> Repository:
+    """The Repository of ``repo``: itself, or what a composition of kinds (luopan.Repo) holds as ``.repository``."""
+    if isinstance(repo, Repository):
+        return repo
+    inner = getattr(repo, "repository", None)
+    if isinstance(inner, Repository):
+        return inner
+    raise TypeError(f"expected a luopan repository (luopan.open(...)), got {type(repo).__name__}")

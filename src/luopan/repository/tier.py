@@ -368,7 +368,7 @@ class Tier:
         return evicted
 
     def apply_cold_policy(self, now: datetime | None = None, *, dry_run: bool = False) -> list[tuple[str, int]]:
-        """``move_cold``, as (series, number) pairs (RepositoryCore.apply_cold_policy's answer)."""
+        """``move_cold``, as (series, number) pairs (Repo.apply_cold_policy's answer)."""
         return [(item.series, item.number) for item in self.move_cold(now, dry_run=dry_run)]
 
     def move_cold(self, now: datetime | None = None, *, dry_run: bool = False) -> list[Item]:
