@@ -8,7 +8,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._compat import deprecated_alias
 from ..errors import (
@@ -27,13 +27,11 @@ from ..format.pack import BlobLocation
 from ..store.base import KeyNotFound, Store
 from .gc import DEFAULT_GRACE, DEFAULT_REPACK_BELOW, collect
 from .gcreport import GcReport
-from .kinds import Kind
+from .kinds import Kind, TierLike
+from .kinds import TierLike as Tier  # _tiered()'s annotation: the protocol too (no import of tier.py)
 from .lineage import Lineage, lineage
 from .locks import DEFAULT_TIMEOUT
 from .preflight import DEFAULT_SPACE_MARGIN
-
-if TYPE_CHECKING:  # pragma: no cover  (tier.py attaches itself to an open repository: no import at run time)
-    from .tier import Tier
 
 
 class RepositoryCore:
@@ -46,7 +44,7 @@ class RepositoryCore:
         self.config = config
         self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a write waits for prune/gc (None: forever)
         self.space_margin: float = DEFAULT_SPACE_MARGIN  # preflight: free space needed / estimated bytes (0: off)
-        self.tier: Tier | None = None  # the tiering of a tiered repository (docs/format.md §10.2)
+        self.tier: TierLike | None = None  # the tiering of a tiered repository (docs/format.md §10.2)
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
         self._intact_packs: dict[str, tuple[int, ...]] = {}  # pack id -> store signature when its trailer checked
