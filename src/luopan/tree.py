@@ -126,14 +126,33 @@ _NUMPY_DTYPE_NAMES: dict[Any, str] = {}  # storable native-order NumPy dtypes se
 
 def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
     """(skeleton, leaves). Tensors that are the same object view (tied weights) become aliases of the first."""
-    leaves: list[Leaf] = []
-    seen: dict[tuple[Any, ...], int] = {}
-    torch = _torch()
-    strided = torch.strided if torch is not None else None
-    active: set[int] = set()  # container ids on the current path, to refuse cycles
-    refused: list[str] = []  # every value of a type luopan cannot store, refused together at the end
+    walker = _Flattener()
+    try:
+        skeleton = walker.walk(state, "")
+    except RecursionError:
+        raise UnsupportedValueError("cannot save a state tree nested this deeply; flatten it") from None
+    if walker.refused:
+        raise _refused_types(walker.refused)
+    _check_paths(state, walker.leaves)
+    return skeleton, walker.leaves
 
-    def leaf(path: str, value: Any, kind: str, identity: tuple[Any, ...] | None, **kw: Any) -> dict[str, Any]:
+
+class _Flattener:
+    """One walk of a state tree: the skeleton it returns, the leaves it collects (tied views as aliases of the first
+    one), the values it refuses by type (reported together by ``flatten``)."""
+
+    __slots__ = ("leaves", "seen", "torch", "strided", "active", "refused")
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.seen: dict[tuple[Any, ...], int] = {}  # identity of a tensor's view -> index of its first leaf
+        self.torch = _torch()
+        self.strided = self.torch.strided if self.torch is not None else None
+        self.active: set[int] = set()  # container ids on the current path, to refuse cycles
+        self.refused: list[str] = []  # every value of a type luopan cannot store, refused together at the end
+
+    def leaf(self, path: str, value: Any, kind: str, identity: tuple[Any, ...] | None, **kw: Any) -> dict[str, Any]:
+        leaves, seen = self.leaves, self.seen
         if identity is not None and identity in seen:
             first = leaves[seen[identity]]
             leaves.append(Leaf(path, kind, first.dtype, first.shape, first.nbytes, value, alias_of=seen[identity]))
@@ -143,9 +162,9 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         leaves.append(Leaf(path=path, kind=kind, obj=value, **kw))
         return {"entry": len(leaves) - 1}
 
-    def walk(value: Any, path: str) -> dict[str, Any]:
+    def walk(self, value: Any, path: str) -> dict[str, Any]:
         if isinstance(value, np.generic):  # before float: np.float64 subclasses float
-            return walk_numpy(np.asarray(value), path, scalar=True)
+            return self.walk_numpy(np.asarray(value), path, scalar=True)
         if value is None:
             return {"none": None}
         if isinstance(value, bool):
@@ -156,26 +175,28 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
             return {"float": value if math.isfinite(value) else repr(value)}
         if isinstance(value, str):
             return {"str": _json_str(value, path, "a str")}
+        torch = self.torch
         if torch is not None and isinstance(value, torch.Tensor):
-            return walk_torch(value, path)
+            return self.walk_torch(value, path)
         if isinstance(value, np.ndarray):
             if type(value) is not np.ndarray and isinstance(value, np.ma.MaskedArray):
                 raise _refuse(path, "a NumPy masked array", "its mask would be lost; store the data and the mask "
                               "as two arrays, e.g. {'data': a.filled(0), 'mask': np.ma.getmaskarray(a)}")
-            return walk_numpy(value, path, scalar=False)
+            return self.walk_numpy(value, path, scalar=False)
+        active = self.active
         if isinstance(value, (dict, list, tuple)) and not (isinstance(value, tuple) and hasattr(value, "_fields")):
             if id(value) in active:
                 raise _refuse(path, "a container that contains itself", "break the reference cycle")
             active.add(id(value))
             try:
-                return walk_container(value, path)
+                return self.walk_container(value, path)
             finally:
                 active.discard(id(value))
         if id(value) in active:
             raise _refuse(path, "a value that contains itself", "break the reference cycle")
         active.add(id(value))
         try:
-            node = typed.encode(value, path, walk)
+            node = typed.encode(value, path, self.walk)
         finally:
             active.discard(id(value))
         if node is not None:
@@ -183,28 +204,16 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         what = (f"bytes of {len(value)} bytes (more than {typed.MAX_BYTES} as a JSON leaf; store "
                 "np.frombuffer(b, np.uint8))" if isinstance(value, (bytes, bytearray, memoryview)) else
                 f"{type(value).__module__}.{type(value).__qualname__}")
-        refused.append(f"{path or '<root>'!r}: {what}")
+        self.refused.append(f"{path or '<root>'!r}: {what}")
         return {"none": None}
 
-    def walk_container(value: Any, path: str) -> dict[str, Any]:
+    def walk_container(self, value: Any, path: str) -> dict[str, Any]:
+        walk = self.walk
         if isinstance(value, dict):
             items = []
             names: dict[str, Any] = {}
             for k, v in value.items():
-                if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise _refuse(
-                        join_path(path, str(k)),
-                        f"a dict key of type {type(k).__name__} ({k!r})",
-                        "dict keys must be str or int; convert the key, e.g. str(key)",
-                    )
-                if isinstance(k, str):
-                    _json_str(k, join_path(path, k), "a dict key")
-                else:
-                    _json_int(k, join_path(path, k))
-                if str(k) in names:  # 1 and "1" would share the key path "1"
-                    raise _refuse(join_path(path, k), f"both keys {names[str(k)]!r} and {k!r} in one dict",
-                                  "key paths must be unique; rename one of the keys")
-                names[str(k)] = k
+                _check_key(k, path, names)
                 items.append([k, walk(v, join_path(path, k))])
             return {"dict": items}
         if type(value) is list:
@@ -217,13 +226,14 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
             "convert it to a plain tuple/list, or a namedtuple to a dict with x._asdict()",
         )
 
-    def walk_numpy(arr: np.ndarray, path: str, scalar: bool) -> dict[str, Any]:
+    def walk_numpy(self, arr: np.ndarray, path: str, scalar: bool) -> dict[str, Any]:
         name = _NUMPY_DTYPE_NAMES.get(arr.dtype)
         if name is not None and (arr.nbytes or shape_fits(arr.shape, arr.dtype.itemsize)):  # fast path
             identity = None
             if arr.nbytes and not scalar:
                 identity = ("numpy", arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype.str)
-            return leaf(path, arr, "numpy", identity, dtype=name, shape=arr.shape, nbytes=arr.nbytes, scalar=scalar)
+            return self.leaf(path, arr, "numpy", identity, dtype=name, shape=arr.shape, nbytes=arr.nbytes,
+                             scalar=scalar)
         if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.fields is not None:
             raise _refuse(
                 path,
@@ -240,11 +250,11 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
         identity = None
         if arr.nbytes and not scalar:
             identity = ("numpy", arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype.str)
-        return leaf(path, arr, "numpy", identity, dtype=dtype.name, shape=tuple(arr.shape),
-                    nbytes=int(arr.nbytes), scalar=scalar)
+        return self.leaf(path, arr, "numpy", identity, dtype=dtype.name, shape=tuple(arr.shape),
+                         nbytes=int(arr.nbytes), scalar=scalar)
 
-    def walk_torch(t: Any, path: str) -> dict[str, Any]:
-        if t.is_cpu and t.layout is strided and not t.is_quantized and not t.is_nested:
+    def walk_torch(self, t: Any, path: str) -> dict[str, Any]:
+        if t.is_cpu and t.layout is self.strided and not t.is_quantized and not t.is_nested:
             # fast path (~5 us vs ~11 us per tensor): cached dtype name; identity by start address instead of the
             # storage object (same start, shape, strides and dtype on one device = the same view)
             dt = t.dtype
@@ -259,40 +269,68 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                                   "NumPy must be able to describe it; use a smaller empty shape")
                 identity = ("torch", "cpu", t.data_ptr(), shape, t.stride(), dt, t.is_conj(), t.is_neg()) \
                     if nbytes else None
-                return leaf(path, t, "torch", identity, dtype=name, shape=shape, nbytes=nbytes)
-        if t.layout != torch.strided:
-            raise _refuse(path, f"a {t.layout} tensor", "convert it with t.to_dense()")
-        if t.is_quantized:
-            raise _refuse(path, "a quantized tensor", "store t.int_repr() and its scale/zero_point instead")
-        if t.device.type == "meta":
-            raise _refuse(path, "a tensor on the meta device (it has no data)", "materialise it first")
-        if getattr(t, "is_nested", False):
-            raise _refuse(path, "a nested tensor", "store its components (t.unbind()) instead")
-        if torch_dtype_name(t.dtype) not in TORCH_DTYPE_SIZES:
-            raise _refuse(path, f"a tensor of dtype {t.dtype}", "luopan does not store this dtype yet; convert it "
-                          "(e.g. t.view(torch.uint8) with the dtype recorded in your metadata)")
-        if t.dim() > MAX_NDIM:
-            raise _refuse(path, f"a tensor with {t.dim()} dimensions", f"at most {MAX_NDIM} are stored (NumPy's "
-                          "limit); reshape it and record the shape in your metadata")
+                return self.leaf(path, t, "torch", identity, dtype=name, shape=shape, nbytes=nbytes)
+        _check_torch_storable(t, path, self.torch)
         nbytes = t.numel() * t.element_size()
         identity = None
         if nbytes:
             identity = ("torch", str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(),
                         tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
-        return leaf(path, t, "torch", identity, dtype=torch_dtype_name(t.dtype), shape=tuple(t.shape),
-                    nbytes=nbytes)
+        return self.leaf(path, t, "torch", identity, dtype=torch_dtype_name(t.dtype), shape=tuple(t.shape),
+                         nbytes=nbytes)
 
-    try:
-        skeleton = walk(state, ""), leaves
-    except RecursionError:
-        raise UnsupportedValueError("cannot save a state tree nested this deeply; flatten it") from None
-    if refused:
-        shown = "\n  ".join(refused[:50]) + (f"\n  … and {len(refused) - 50} more" if len(refused) > 50 else "")
-        raise UnsupportedValueError(
-            f"cannot save {len(refused)} value(s) of types luopan does not store (it never pickles):\n  {shown}\n"
-            "luopan stores tensors, NumPy arrays, JSON values and typed values (Path, datetime, date, time, "
-            "timedelta, bytes, set, frozenset, complex, Decimal, Enum, dataclass, namedtuple, argparse.Namespace, "
-            "torch.dtype, torch.device); convert the others, e.g. obj.state_dict(), a tensor, or str(obj)")
+
+def _check_key(k: Any, path: str, names: dict[str, Any]) -> None:
+    """Refuse a dict key that is not a str or int, is not storable as JSON, or shares its key path with an earlier
+    key of the same dict (``names``: str(key) -> key, updated)."""
+    if isinstance(k, bool) or not isinstance(k, (str, int)):
+        raise _refuse(
+            join_path(path, str(k)),
+            f"a dict key of type {type(k).__name__} ({k!r})",
+            "dict keys must be str or int; convert the key, e.g. str(key)",
+        )
+    if isinstance(k, str):
+        _json_str(k, join_path(path, k), "a dict key")
+    else:
+        _json_int(k, join_path(path, k))
+    if str(k) in names:  # 1 and "1" would share the key path "1"
+        raise _refuse(join_path(path, k), f"both keys {names[str(k)]!r} and {k!r} in one dict",
+                      "key paths must be unique; rename one of the keys")
+    names[str(k)] = k
+
+
+def _check_torch_storable(t: Any, path: str, torch: Any) -> None:
+    """Refuse a tensor luopan cannot store as an entry (sparse, quantized, meta, nested, an unknown dtype, too many
+    dimensions), each with how to convert it."""
+    if t.layout != torch.strided:
+        raise _refuse(path, f"a {t.layout} tensor", "convert it with t.to_dense()")
+    if t.is_quantized:
+        raise _refuse(path, "a quantized tensor", "store t.int_repr() and its scale/zero_point instead")
+    if t.device.type == "meta":
+        raise _refuse(path, "a tensor on the meta device (it has no data)", "materialise it first")
+    if getattr(t, "is_nested", False):
+        raise _refuse(path, "a nested tensor", "store its components (t.unbind()) instead")
+    if torch_dtype_name(t.dtype) not in TORCH_DTYPE_SIZES:
+        raise _refuse(path, f"a tensor of dtype {t.dtype}", "luopan does not store this dtype yet; convert it "
+                      "(e.g. t.view(torch.uint8) with the dtype recorded in your metadata)")
+    if t.dim() > MAX_NDIM:
+        raise _refuse(path, f"a tensor with {t.dim()} dimensions", f"at most {MAX_NDIM} are stored (NumPy's "
+                      "limit); reshape it and record the shape in your metadata")
+
+
+def _refused_types(refused: list[str]) -> UnsupportedValueError:
+    """The one error naming every value (``'path': type``) of a type luopan does not store."""
+    shown = "\n  ".join(refused[:50]) + (f"\n  … and {len(refused) - 50} more" if len(refused) > 50 else "")
+    return UnsupportedValueError(
+        f"cannot save {len(refused)} value(s) of types luopan does not store (it never pickles):\n  {shown}\n"
+        "luopan stores tensors, NumPy arrays, JSON values and typed values (Path, datetime, date, time, "
+        "timedelta, bytes, set, frozenset, complex, Decimal, Enum, dataclass, namedtuple, argparse.Namespace, "
+        "torch.dtype, torch.device); convert the others, e.g. obj.state_dict(), a tensor, or str(obj)")
+
+
+def _check_paths(state: Any, leaves: list[Leaf]) -> None:
+    """Refuse a key path longer than MAX_PATH_CHARS, or two tensors with one key path (load could not tell them
+    apart)."""
     paths: set[str] = set()
     for lf in leaves:
         if len(lf.path) > MAX_PATH_CHARS:
@@ -304,7 +342,6 @@ def flatten(state: Any) -> tuple[dict[str, Any], list[Leaf]]:
                 f"two tensors share the key path {lf.path!r}: {places}; luopan could not tell them apart on load "
                 "(an empty dict key at the top level joins its children to the root); rename one of the keys")
         paths.add(lf.path)
-    return skeleton
 
 
 def _json_int(value: int, path: str) -> int:

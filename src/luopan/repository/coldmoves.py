@@ -4,30 +4,68 @@ Every manifest that is not pinned, not waiting for replication and whose ``creat
 threshold is copied to the cold repository by the replication steps (replication.copy_manifest, under a shared lock
 there), then its manifest is deleted from the local and remote tiers (under the local shared lock) with its
 ``tier/`` records; a ``cold`` record says where it went. It stays listed and readable through the cold tier.
+The policy is a ``ColdPolicy`` (``luopan.ColdPolicy``); the moves need of the tiering only what ``ColdTiers`` lists.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from ..errors import ConfigConflictError
+from ..errors import ConfigConflictError, UsageError
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..retention import parse_time
 from ..store.base import Store
-from ..store.tiered import HotView
+from ..store.tiered import HotView, TieredStore
+from ..units import parse_duration
+from .kinds import Kind, Opened
 from .locks import locked
 from .pins import read_pins
 from .replication import IndexMap, copy_manifest, ensure_repository
-from .tiermarks import Item
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .tier import Tier
+from .tiermarks import Item, Records
 
 WAITING = ("local", "replicating", "cold")  # statuses that keep a manifest where it is
 
 
-def move_cold(tier: Tier, now: datetime | None = None, *, dry_run: bool = False) -> list[Item]:
+@dataclass(frozen=True)
+class ColdPolicy:
+    """Move manifests that are not pinned and older than ``older_than`` (``"7d"``, ``"36h"``, seconds) to ``url``.
+
+    Applied by ``repo.apply_cold_policy()`` (or ``luopan cold``): each is copied and verified like a replication,
+    then removed from the hot tiers (local and remote manifests); reads fall back to the cold store.
+    """
+
+    url: str
+    older_than: str | float = "7d"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        if isinstance(self.older_than, (int, float)) and not isinstance(self.older_than, bool):
+            if not self.older_than > 0:
+                raise UsageError(f"ColdPolicy.older_than must be > 0, got {self.older_than!r}")
+            return float(self.older_than)
+        return parse_duration(self.older_than)
+
+
+class ColdTiers(Protocol):
+    """What cold moves need of the repository's tiering (tier.Tier): its tiers, records and replication status."""
+
+    repo: Opened
+    store: TieredStore  # the tiers as one store (reads fall back local -> remote -> cold)
+    local: Store
+    remote: Store | None
+    cold_store: Store | None
+    cold: ColdPolicy | None
+    lock_timeout: float | None
+    records: Records
+
+    def status(self, kind: Kind, series: str) -> dict[int, str]:
+        """number -> replication status ("local", "replicating", "replicated", "remote", "cold")."""
+
+
+def move_cold(tier: ColdTiers, now: datetime | None = None, *, dry_run: bool = False) -> list[Item]:
     """Move what the policy selects (see the module docstring); returns the items moved (or that would be, with
     ``dry_run``). ConfigConflictError when the repository has no cold policy."""
     if tier.cold is None or tier.cold_store is None:
@@ -46,7 +84,7 @@ def move_cold(tier: Tier, now: datetime | None = None, *, dry_run: bool = False)
     return moved
 
 
-def _move(tier: Tier, item: Item, now: datetime, dry_run: bool) -> bool:
+def _move(tier: ColdTiers, item: Item, now: datetime, dry_run: bool) -> bool:
     assert tier.cold is not None and tier.cold_store is not None
     hot: list[Store] = [t for t in (tier.local, tier.remote) if t is not None and t.exists(item.key)]
     if not hot:

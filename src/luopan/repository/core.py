@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import (
     IntegrityError,
@@ -24,16 +24,13 @@ from ..format.limits import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from ..format.names import CONFIG_KEY, is_index_key, parse_ref_text
 from ..format.pack import BlobLocation
 from ..store.base import KeyNotFound, Store
-from .kinds import Kind
+from .kinds import Kind, TierLike
 from .lineage import Lineage, lineage
 from .locks import DEFAULT_TIMEOUT
 from .preflight import DEFAULT_SPACE_MARGIN
 from .chunkwriter import ChunkWriter
 from .packwriter import PackChecker
 from .transaction import Transaction
-
-if TYPE_CHECKING:  # pragma: no cover  (tier.py attaches itself to an open repository: no import at run time)
-    from .tier import Tier
 
 
 class Repository:
@@ -50,7 +47,7 @@ class Repository:
         self.lock_timeout: float | None = DEFAULT_TIMEOUT  # how long a write waits for prune/gc (None: forever)
         self.space_margin: float = DEFAULT_SPACE_MARGIN  # preflight: free space needed / estimated bytes (0: off)
         self.listeners: list[Any] = []  # commit listeners: told of every write and commit (tiering is one)
-        self._tier: Tier | None = None
+        self._tier: TierLike | None = None
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
         self._intact_packs: dict[str, tuple[int, ...]] = {}  # pack id -> store signature when its trailer checked
@@ -65,12 +62,12 @@ class Repository:
         self.close()
 
     @property
-    def tier(self) -> Tier | None:
+    def tier(self) -> TierLike | None:
         """The tiering of a tiered repository (docs/format.md §10.2): a commit listener of it."""
         return self._tier
 
     @tier.setter
-    def tier(self, tier: Tier | None) -> None:
+    def tier(self, tier: TierLike | None) -> None:
         if self._tier is not None:
             self.listeners.remove(self._tier)
         self._tier = tier
@@ -199,7 +196,7 @@ class Repository:
         return kind.parse(self.store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number, self.store)
 
     # -- tiered storage (docs/format.md §10.2) -------------------------------------------------------------------
-    def tiered(self) -> Tier:
+    def tiered(self) -> TierLike:
         """The tiering of this repository; LuopanError when it is not tiered."""
         if self.tier is None:
             raise LuopanError(f"{self.where} is not a tiered repository: open it with replicate_to=URL")

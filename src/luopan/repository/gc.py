@@ -186,37 +186,87 @@ def collect(
         return _collect(store, repo, grace, repack_below, False, now, log)
 
 
+Rows = dict[str, dict[str, tuple[int, int, int, str]]]  # pack -> hash -> (offset, length, size, codec)
+
+
+@dataclass
+class _Marks:
+    """What the mark phase found; the repack phase updates it as live blobs move to new packs."""
+
+    manifests: list[Marked]
+    users: dict[str, list[int]]  # pack -> indices into manifests
+    live: Rows  # packs committed manifests name
+    kept: Rows  # packs stray manifests name: live, never repacked
+    packs: dict[str, str]  # pack id -> key, of the packs in the store
+    sizes: dict[str, int]  # pack id -> bytes
+
+
+class _Clock:
+    """Adds the seconds each phase took to ``report.seconds``."""
+
+    def __init__(self, report: GcReport) -> None:
+        self.report = report
+        self.last = time.perf_counter()
+
+    def phase(self, name: str) -> None:
+        t = time.perf_counter()
+        self.report.seconds[name] = self.report.seconds.get(name, 0.0) + t - self.last
+        self.last = t
+
+
 def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_run: bool, now: float | None,
              log: Callable[[str], Any] | None) -> GcReport:
     say = log or (lambda _msg: None)
     report = GcReport(dry_run=dry_run, grace=grace)
-    clock = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal clock
-        t = time.perf_counter()
-        report.seconds[name] = report.seconds.get(name, 0.0) + t - clock
-        clock = t
-
+    clock = _Clock(report)
     if not dry_run:
         store.cleanup_temporaries()
     # -- 1. mark --------------------------------------------------------------------------------------------------
     say("mark: reading manifests")
-    manifests, shadows = mark_sources(store, repo.kinds, report.unloadable_manifests)
+    marks = _mark(store, repo.kinds, report)
+    clock.phase("mark")
+    crashpoint("gc.marked")
+    # -- 2. repack ------------------------------------------------------------------------------------------------
+    sparse, new_packs = _repack_sparse(store, repo, marks, repack_below, dry_run, report, say, clock)
+    # -- 4 (planned now). which packs are garbage -----------------------------------------------------------------
+    previous, condemned, due = _plan_garbage(store, marks, sparse, grace, now, report)
+    clock.phase("plan")
+    # -- 3. index -------------------------------------------------------------------------------------------------
+    _replace_index(store, repo, marks, previous, condemned, new_packs, dry_run, report, say)
+    clock.phase("index")
+    # -- 4. condemn -----------------------------------------------------------------------------------------------
+    if not dry_run and condemned != previous:
+        _write_condemned(store, condemned)
+    crashpoint("gc.condemned")
+    # -- 5. sweep -------------------------------------------------------------------------------------------------
+    _sweep(store, marks, condemned, due, grace, dry_run, report, say)
+    clock.phase("sweep")
+    crashpoint("gc.done")
+    return report
+
+
+def _live_rows(docs: list[dict[str, Any]]) -> Rows:
+    out: Rows = {}
+    for doc in docs:
+        for pack, rows in rows_by_pack(doc).items():
+            out.setdefault(pack, {}).update(rows)
+    return out
+
+
+def _mark(store: Store, kinds: tuple[Kind, ...], report: GcReport) -> _Marks:
+    """Phase 1: read every manifest (mark_sources), note which packs they need and list the packs there are."""
+    manifests, shadows = mark_sources(store, kinds, report.unloadable_manifests)
     for problem in report.unloadable_manifests:
-        warnings.warn(f"gc keeps everything this manifest references: {problem}", stacklevel=2)
+        warnings.warn(f"gc keeps everything this manifest references: {problem}", stacklevel=3)  # at collect(), as before
     report.manifests = len(manifests)
     report.stray_manifests = len(shadows) - len(report.unloadable_manifests)
-    live: dict[str, dict[str, tuple[int, int, int, str]]] = {}  # pack -> hash -> (offset, length, size, codec)
-    users: dict[str, list[int]] = {}  # pack -> indices into manifests
+    live: Rows = {}
+    users: dict[str, list[int]] = {}
     for i, m in enumerate(manifests):
         for pack, rows in rows_by_pack(m.doc).items():
             live.setdefault(pack, {}).update(rows)
             users.setdefault(pack, []).append(i)
-    kept: dict[str, dict[str, tuple[int, int, int, str]]] = {}  # packs stray manifests name: live, never repacked
-    for doc in shadows:
-        for pack, rows in rows_by_pack(doc).items():
-            kept.setdefault(pack, {}).update(rows)
+    kept = _live_rows(shadows)
     packs = list_packs(store)
     sizes: dict[str, int] = {}
     for pack, key in packs.items():
@@ -229,64 +279,76 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
     report.pack_bytes = sum(sizes.values())
     report.live_packs = sum(1 for p in packs if p in live)
     report.live_bytes = sum(length for p in live if p in packs for _o, length, _s, _c in live[p].values())
-    phase("mark")
-    crashpoint("gc.marked")
+    return _Marks(manifests, users, live, kept, packs, sizes)
 
-    # -- 2. repack ------------------------------------------------------------------------------------------------
-    sparse = sorted(p for p in packs if p in live and p not in kept and repack_below > 0
+
+def _repack_sparse(store: Store, repo: Opened, marks: _Marks, repack_below: float, dry_run: bool, report: GcReport,
+                   say: Callable[[str], Any], clock: _Clock) -> tuple[list[str], dict[str, list[dict[str, Any]]]]:
+    """Phase 2: copy the live blobs of packs under ``repack_below`` live to new packs and rewrite the manifests naming
+    them (a dry run only counts). Returns the sparse packs and the new packs' index rows."""
+    live, sizes = marks.live, marks.sizes
+    sparse = sorted(p for p in marks.packs if p in live and p not in marks.kept and repack_below > 0
                     and sum(v[1] for v in live[p].values()) < repack_below * (sizes[p] - HEADER_SIZE))
-    moved: dict[tuple[str, str], tuple[str, int, int, int, str]] = {}  # (old pack, hash) -> new location
     new_packs: dict[str, list[dict[str, Any]]] = {}
     if sparse:
         say(f"repack: {len(sparse)} pack(s) under {repack_below:.0%} live")
     if sparse and not dry_run:
         moved, new_packs = repack(store, repo.config.pack_size, sparse, live, report)
-        phase("repack.copy")
+        clock.phase("repack.copy")
         crashpoint("gc.repack.packs")
-        rewritten = 0
-        touched = sorted({i for p in sparse for i in users.get(p, [])})
-        for i in touched:
-            m = manifests[i]
-            doc = relocated(m.doc, moved)
-            if doc is None:
-                continue
-            # checkpoint manifests of format_version 5 repositories are stored compressed (docs/format.md §4)
-            data = seal_manifest(doc, compress=m.kind.name == "checkpoint"
-                                 and repo.config.format_version >= ENGINE2_FORMAT_VERSION)
-            store.put(m.key, data)
-            manifests[i] = Marked(m.kind, m.series, m.number, m.key, doc)
-            if m.kind.rewritten is not None:
-                m.kind.rewritten(store, m.series, m.number, data)
-            rewritten += 1
-            if rewritten == 1:
-                crashpoint("gc.repack.manifest")
-        report.manifests_rewritten = rewritten
-        live = {}
-        for m in manifests:
-            for pack, rows in rows_by_pack(m.doc).items():
-                live.setdefault(pack, {}).update(rows)
-        packs.update({p: pack_key(p) for p in new_packs})
+        report.manifests_rewritten = _rewrite_manifests(store, repo, marks, sparse, moved)
+        marks.live = _live_rows([m.doc for m in marks.manifests])
+        marks.packs.update({p: pack_key(p) for p in new_packs})
         for p in new_packs:
             sizes[p] = store.size(pack_key(p))
-        phase("repack.manifests")
+        clock.phase("repack.manifests")
     elif sparse:
         report.repacked_packs = len(sparse)
         report.repacked_bytes = sum(sizes[p] for p in sparse)
         report.copied_bytes = sum(v[1] for p in sparse for v in live[p].values())
-        live = {p: rows for p, rows in live.items() if p not in sparse}  # as they will be after the rewrite
+        marks.live = {p: rows for p, rows in live.items() if p not in sparse}  # as they will be after the rewrite
+    return sparse, new_packs
 
-    # -- 4 (planned now). which packs are garbage -----------------------------------------------------------------
+
+def _rewrite_manifests(store: Store, repo: Opened, marks: _Marks, sparse: list[str],
+                       moved: dict[tuple[str, str], tuple[str, int, int, int, str]]) -> int:
+    """Rewrite each manifest naming a repacked pack with its blobs' new locations (``moved``: (old pack, hash) -> new
+    location); returns how many were rewritten."""
+    rewritten = 0
+    touched = sorted({i for p in sparse for i in marks.users.get(p, [])})
+    for i in touched:
+        m = marks.manifests[i]
+        doc = relocated(m.doc, moved)
+        if doc is None:
+            continue
+        # checkpoint manifests of format_version 5 repositories are stored compressed (docs/format.md §4)
+        data = seal_manifest(doc, compress=m.kind.name == "checkpoint"
+                             and repo.config.format_version >= ENGINE2_FORMAT_VERSION)
+        store.put(m.key, data)
+        marks.manifests[i] = Marked(m.kind, m.series, m.number, m.key, doc)
+        if m.kind.rewritten is not None:
+            m.kind.rewritten(store, m.series, m.number, data)
+        rewritten += 1
+        if rewritten == 1:
+            crashpoint("gc.repack.manifest")
+    return rewritten
+
+
+def _plan_garbage(store: Store, marks: _Marks, sparse: list[str], grace: float, now: float | None,
+                  report: GcReport) -> tuple[dict[str, float], dict[str, float], set[str]]:
+    """Which packs no manifest needs: (the condemn record as found, the one to write, the packs due for deletion).
+    An unreferenced pack younger than ``grace`` (not one just repacked) is not even condemned yet."""
     t_now = time.time() if now is None else now
     previous = _read_condemned(store)
     condemned: dict[str, float] = {}
-    for p in packs:
-        if p in live or p in kept:
+    for p in marks.packs:
+        if p in marks.live or p in marks.kept:
             continue
         if p in previous:
             condemned[p] = previous[p]
             continue
         try:
-            stamp = store.modified(packs[p])
+            stamp = store.modified(marks.packs[p])
         except KeyNotFound:
             continue
         if stamp is not None and t_now - stamp < grace and p not in sparse:
@@ -294,28 +356,18 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
             continue
         condemned[p] = t_now
     due = {p for p, t in condemned.items() if t_now - t >= grace}
-    phase("plan")
+    return previous, condemned, due
 
-    # -- 3. index -------------------------------------------------------------------------------------------------
+
+def _replace_index(store: Store, repo: Opened, marks: _Marks, previous: dict[str, float],
+                   condemned: dict[str, float], new_packs: dict[str, list[dict[str, Any]]], dry_run: bool,
+                   report: GcReport, say: Callable[[str], Any]) -> None:
+    """Phase 3: one new index file for every pack that stays (old rows, new packs' rows, trailers of live packs no
+    index names), then the old index files deleted; nothing written when the index files are already that."""
     index_keys = [k for k in store.list("index/") if is_index_key(k)]
     report.index_files_before = len(index_keys)
-    keep = {p for p in packs if p not in condemned}
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for key in index_keys:
-        try:
-            for h, loc in parse_index(store.get_limited(key, MAX_INDEX_BYTES), key).items():
-                if loc.pack in keep:
-                    rows.setdefault(loc.pack, []).append(
-                        {"hash": h, "offset": loc.offset, "length": loc.length, "size": loc.size, "codec": loc.codec})
-        except (IntegrityError, KeyNotFound, StorageError):
-            continue  # damaged, vanished or unreadable: rebuilt from trailers below where it matters
-    for p, blobs in new_packs.items():
-        rows[p] = [dict(b) for b in blobs]
-    for p in sorted(keep):
-        if p not in rows and p in live:  # a live pack no index names (index lost, or condemned then revived)
-            blobs = trailer_blobs(store, p)
-            if blobs:
-                rows[p] = blobs
+    keep = {p for p in marks.packs if p not in condemned}
+    rows = _index_rows(store, index_keys, keep, marks.live, new_packs)
     changed = bool(condemned.keys() - previous.keys()) or bool(new_packs) or len(index_keys) != 1 or any(
         p not in keep for key in index_keys for p in _index_packs(store, key))
     if not dry_run and changed and (rows or index_keys):
@@ -334,32 +386,49 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
         report.index_files_after = 1 if new_key else 0
     else:
         report.index_files_after = len(index_keys)
-    phase("index")
 
-    # -- 4. condemn -----------------------------------------------------------------------------------------------
-    if not dry_run and condemned != previous:
-        _write_condemned(store, condemned)
-    crashpoint("gc.condemned")
 
-    # -- 5. sweep -------------------------------------------------------------------------------------------------
+def _index_rows(store: Store, index_keys: list[str], keep: set[str], live: Rows,
+                new_packs: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """pack -> index rows, of the packs in ``keep``: from the index files, the new packs, and the trailers of live
+    packs no readable index file names."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for key in index_keys:
+        try:
+            for h, loc in parse_index(store.get_limited(key, MAX_INDEX_BYTES), key).items():
+                if loc.pack in keep:
+                    rows.setdefault(loc.pack, []).append(
+                        {"hash": h, "offset": loc.offset, "length": loc.length, "size": loc.size, "codec": loc.codec})
+        except (IntegrityError, KeyNotFound, StorageError):
+            continue  # damaged, vanished or unreadable: rebuilt from trailers below where it matters
+    for p, blobs in new_packs.items():
+        rows[p] = [dict(b) for b in blobs]
+    for p in sorted(keep):
+        if p not in rows and p in live:  # a live pack no index names (index lost, or condemned then revived)
+            blobs = trailer_blobs(store, p)
+            if blobs:
+                rows[p] = blobs
+    return rows
+
+
+def _sweep(store: Store, marks: _Marks, condemned: dict[str, float], due: set[str], grace: float, dry_run: bool,
+           report: GcReport, say: Callable[[str], Any]) -> None:
+    """Phase 5: delete the packs condemned at least ``grace`` ago, then record the rest as still condemned."""
     if due:
         say(f"sweep: deleting {len(due)} pack(s)")
     for n, p in enumerate(sorted(due)):
         if not dry_run:
-            store.delete(packs[p])
+            store.delete(marks.packs[p])
             if n == 0:
                 crashpoint("gc.sweep.pack")
         report.deleted_packs += 1
-        report.deleted_bytes += sizes.get(p, 0)
+        report.deleted_bytes += marks.sizes.get(p, 0)
     remaining = {p: t for p, t in condemned.items() if p not in due}
     if not dry_run and due:
         _write_condemned(store, remaining)
     report.condemned_packs = len(remaining)
-    report.condemned_bytes = sum(sizes.get(p, 0) for p in remaining)
+    report.condemned_bytes = sum(marks.sizes.get(p, 0) for p in remaining)
     report.next_sweep_after = min(remaining.values()) + grace if remaining else None
-    phase("sweep")
-    crashpoint("gc.done")
-    return report
 
 
 def _index_packs(store: Store, key: str) -> list[str]:

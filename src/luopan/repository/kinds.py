@@ -10,16 +10,15 @@ chunk rows of docs/format.md §8: that contract is what gc marks from.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from datetime import datetime
+from typing import Any, Protocol
 
 from ..format.config import RepoConfig
 from ..format.manifest import manifest_rows
 from ..format.names import step_from_manifest_key
 from ..store.base import Store, Stray
-
-if TYPE_CHECKING:  # pragma: no cover  (annotations only)
-    from .tier import Tier
 
 
 @dataclass
@@ -136,13 +135,42 @@ def all_series(store: Store, kinds: tuple[Kind, ...], *, strays: bool = False) -
         yield kind, kind.scan(store, None, strays)
 
 
+class TierLike(Protocol):
+    """What the core and the kinds know of a repository's tiering (``repo.tier``, tier.Tier, docs/format.md §10.2): a
+    commit listener. Kinds tell it of each commit and hold ``saving()`` while they write; pins tell it of a pin; gc
+    collects its ``local`` tier; the repository waits on it, applies its cold policy and closes it."""
+
+    local: Store  # the local tier: the repository's own directory
+
+    def saving(self) -> AbstractContextManager[None]:
+        """Held while a save writes (replication starts no new upload meanwhile)."""
+
+    def committed(self, kind: Kind, series: str, number: int) -> None:
+        """``number`` of ``series`` was committed (or replaced) locally: replicate it."""
+
+    def pinned(self, kind: Kind, series: str, number: int, data: bytes) -> None:
+        """A pin (sealed ``data``) was added locally."""
+
+    def status(self, kind: Kind, series: str) -> dict[int, str]:
+        """number -> "local", "replicating", "replicated", "remote" or "cold"."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every queued manifest is replicated (True) or ``timeout`` seconds pass (False)."""
+
+    def apply_cold_policy(self, now: datetime | None = None, *, dry_run: bool = False) -> list[tuple[str, int]]:
+        """Move manifests older than the cold policy's threshold to the cold store; the (series, number) moved."""
+
+    def close(self) -> None:
+        """Stop replication after the pack in progress; what is left stays pending for the next open."""
+
+
 class Opened(Protocol):
     """What the core's operations (gc, pins, preflight, tiering) need of an open repository."""
 
     store: Store
     config: RepoConfig
     lock_timeout: float | None
-    tier: Tier | None
+    tier: TierLike | None
     kinds: tuple[Kind, ...]
 
     def drain(self) -> None:

@@ -7,7 +7,7 @@ A pin is a small sealed file at ``kind.pin_key(series, number)`` holding ``{"run
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ..errors import CorruptRepoError, StorageError, UnreadableError
 from ..format import BASE_FORMAT_VERSION
@@ -15,11 +15,8 @@ from ..format.canonical import seal, unseal_file
 from ..format.limits import MAX_SMALL_BYTES
 from ..format.names import MAX_STEP, check_step, check_tag
 from ..store.base import KeyNotFound, Store
-from .kinds import Kind
+from .kinds import Kind, TierLike
 from .locks import locked
-
-if TYPE_CHECKING:  # pragma: no cover  (annotations only)
-    from .tier import Tier
 
 
 class Pinner(Protocol):
@@ -27,7 +24,7 @@ class Pinner(Protocol):
 
     store: Store
     lock_timeout: float | None
-    tier: Tier | None
+    tier: TierLike | None
 
 
 def require_members(doc: dict[str, Any], where: str, **fields: Any) -> None:

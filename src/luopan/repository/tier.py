@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import LuopanError, ReplicationError
 from ..format.limits import MAX_MANIFEST_BYTES
@@ -31,15 +31,12 @@ from ..format.names import pack_key
 from ..retention import Checkpoint, parse_time, plan
 from ..store.base import KeyNotFound
 from ..store.tiered import Markers, TieredStore
-from .coldmoves import move_cold
+from .coldmoves import ColdPolicy, move_cold
 from .kinds import Kind, Opened
 from .locks import DEFAULT_TIMEOUT, locked
 from .pins import read_pins
 from .replication import IndexMap, copy_manifest, copy_pin, ensure_repository
 from .tiermarks import Item, Records, manifest_item
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .tiersetup import ColdPolicy
 
 BACKOFF_INITIAL = 0.5  # seconds before the first retry of a failed copy; doubles up to BACKOFF_MAX
 BACKOFF_MAX = 60.0

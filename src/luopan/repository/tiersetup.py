@@ -4,8 +4,8 @@
                        cold=luopan.ColdPolicy("s3://archive/ckpts", older_than="7d"))
 
 ``setup`` turns the options (and what ``tier/config.json`` recorded) into a TieredStore before the repository is
-opened on it; ``attach`` gives the opened repository its Tier (tier.py) and starts replication. ``ColdPolicy`` is the
-public cold-tier option.
+opened on it; ``attach`` gives the opened repository its Tier (tier.py) and starts replication. ``ColdPolicy``, the
+public cold-tier option, is defined with the cold moves (coldmoves.py) and re-exported here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import (
@@ -31,32 +31,12 @@ from ..retention import Retention, RetentionRule
 from ..store import FsspecStore, Store, is_object_url, open_store
 from ..store.base import KeyNotFound
 from ..store.tiered import TieredStore
-from ..units import parse_duration
+from .coldmoves import ColdPolicy
 from .kinds import Opened
 from .replication import ensure_repository
 from .tier import Tier
 
 R = TypeVar("R", bound=Opened)
-
-@dataclass(frozen=True)
-class ColdPolicy:
-    """Move manifests that are not pinned and older than ``older_than`` (``"7d"``, ``"36h"``, seconds) to ``url``.
-
-    Applied by ``repo.apply_cold_policy()`` (or ``luopan cold``): each is copied and verified like a replication,
-    then removed from the hot tiers (local and remote manifests); reads fall back to the cold store.
-    """
-
-    url: str
-    older_than: str | float = "7d"
-    storage_options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def seconds(self) -> float:
-        if isinstance(self.older_than, (int, float)) and not isinstance(self.older_than, bool):
-            if not self.older_than > 0:
-                raise UsageError(f"ColdPolicy.older_than must be > 0, got {self.older_than!r}")
-            return float(self.older_than)
-        return parse_duration(self.older_than)
 
 
 @dataclass
