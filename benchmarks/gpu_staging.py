@@ -105,8 +105,8 @@ def main() -> int:
             path = os.path.join(root, name.replace(" ", "").replace(",", "-").replace("=", ""))
             repo = luopan.open(path)
             repo.save_async("bench", 0, state).wait()  # untimed: allocates and pins the buffers
-            pinned = all(p.is_pinned() for s in repo._staging.sets for p in s.pinned()) and any(
-                s.pinned() for s in repo._staging.sets)
+            pinned = all(p.is_pinned() for s in repo.checkpointing._staging.sets for p in s.pinned()) and any(
+                s.pinned() for s in repo.checkpointing._staging.sets)
             stalls, totals = run(repo)
             repo.close()
             shutil.rmtree(path, ignore_errors=True)

@@ -105,7 +105,7 @@ def test_unobserved_background_error_surfaces_on_close():
 
 def staged(repo):
     """The host buffer set the newest save_async copied into."""
-    return repo._staging.sets[repo._staging.last]
+    return repo.checkpointing._staging.sets[repo.checkpointing._staging.last]
 
 
 def test_buffers_are_reused_across_saves(repo):

@@ -423,7 +423,7 @@ def test_save_us_covers_storing_the_groups(lora, monkeypatch):
 
     monkeypatch.setattr(grouping, "zstd_blob", slow_zstd)
     monkeypatch.setattr(grouping, "basis", lambda doc: {})  # nothing reused below: the groups are written anew
-    repo._grouping["run"] = {}
+    repo.checkpointing._grouping["run"] = {}
     repo.save("run", 4, state(4, base))  # nothing to compare with: no groups
     repo.save("run", 5, state(5, base))  # the base's groups again, found in the index: none written
     repo.save("run", 6, {**state(6, base), "extra.weight": np.ones(4, np.float32)})

@@ -24,7 +24,7 @@ def _needs_cuda():
 
 def staged(repo):
     """The host buffer set the newest save_async copied into."""
-    return repo._staging.sets[repo._staging.last]
+    return repo.checkpointing._staging.sets[repo.checkpointing._staging.last]
 
 
 def bits(t):
@@ -106,7 +106,7 @@ def test_overlapping_saves_use_two_pinned_sets_then_reuse_them():
     repo.save_async("r", 1, states[1])
     store.wait_blocked()
     returns_promptly(repo.save_async, "r", 2, states[2])  # copies while save 1 is still writing
-    sets = repo._staging.sets
+    sets = repo.checkpointing._staging.sets
     assert all(p.is_pinned() for s in sets for p in s.pinned()) and sets[0].pinned() and sets[1].pinned()
     before = [{p.data_ptr() for p in s.pinned()} for s in sets]
     store.gate.set()

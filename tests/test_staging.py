@@ -131,7 +131,7 @@ def test_second_save_copies_while_the_first_is_still_writing(store, repo):
     expected = clone(s2)
     h2 = returns_promptly(repo.save_async, "r", 2, s2)
     assert not h1.done() and not h2.done()
-    staging = repo._staging
+    staging = repo.checkpointing._staging
     assert [slot.buffers for slot in staging.inflight] == [0, 1]  # two buffer sets, one per save in flight
     for k, v in expected.items():  # save 2's copy is complete, in its own set
         assert np.array_equal(staging.sets[1]._bufs[(f"{k}", v.nbytes)], v.numpy().reshape(-1).view(np.uint8))
@@ -148,9 +148,9 @@ def test_a_third_save_waits_for_the_first_and_reuses_its_buffers(store, repo):
     store.close_gate()
     h1 = repo.save_async("r", 1, model(1))
     store.wait_blocked()
-    first = addresses(repo._staging.sets[0])
+    first = addresses(repo.checkpointing._staging.sets[0])
     h2 = returns_promptly(repo.save_async, "r", 2, model(2))
-    second = addresses(repo._staging.sets[1])
+    second = addresses(repo.checkpointing._staging.sets[1])
     assert first and second and set(first.values()).isdisjoint(second.values())
     t, box = in_thread(repo.save_async, "r", 3, model(3))
     t.join(0.5)
@@ -160,8 +160,8 @@ def test_a_third_save_waits_for_the_first_and_reuses_its_buffers(store, repo):
     assert not t.is_alive() and "error" not in box
     h3 = box["result"]
     assert h1.done()
-    used = repo._staging.last  # the first set (or the second, if save 2 was also done by then), reused
-    assert addresses(repo._staging.sets[used]) == (first, second)[used]  # same addresses: nothing reallocated
+    used = repo.checkpointing._staging.last  # the first set (or the second, if save 2 was also done by then), reused
+    assert addresses(repo.checkpointing._staging.sets[used]) == (first, second)[used]  # same addresses: nothing reallocated
     h3.wait()
     assert h2.done()
     assert repo.steps("r") == [1, 2, 3]
@@ -178,8 +178,8 @@ def test_many_overlapping_saves_use_only_two_buffer_sets(repo):
             v.add_(1)
         expected[step] = clone(state)
         repo.save_async("r", step, state)  # no wait: saves overlap when the writer is behind
-        assert len(repo._staging.inflight) <= 2
-        seen |= set(addresses(repo._staging.sets[repo._staging.last]).values())
+        assert len(repo.checkpointing._staging.inflight) <= 2
+        seen |= set(addresses(repo.checkpointing._staging.sets[repo.checkpointing._staging.last]).values())
     repo.drain()
     assert len(seen) <= 2 * len(state)  # never more than two sets' buffers, reused
     assert all(same(repo.load("r", s), e) for s, e in expected.items())
@@ -188,11 +188,11 @@ def test_many_overlapping_saves_use_only_two_buffer_sets(repo):
 def test_saves_that_finish_between_calls_keep_one_buffer_set(repo):
     state = model(0)
     repo.save_async("r", 1, state).wait()
-    before = addresses(repo._staging.sets[0])
+    before = addresses(repo.checkpointing._staging.sets[0])
     for step in (2, 3):
         repo.save_async("r", step, state).wait()
-    assert addresses(repo._staging.sets[0]) == before
-    assert repo._staging.sets[1]._bufs == {}  # the second set is never allocated
+    assert addresses(repo.checkpointing._staging.sets[0]) == before
+    assert repo.checkpointing._staging.sets[1]._bufs == {}  # the second set is never allocated
 
 
 def test_overlap_false_waits_and_frees_the_other_set(store, repo):
@@ -200,7 +200,7 @@ def test_overlap_false_waits_and_frees_the_other_set(store, repo):
     h1 = repo.save_async("r", 1, model(1))
     store.wait_blocked()
     returns_promptly(repo.save_async, "r", 2, model(2))
-    assert repo._staging.sets[0]._bufs and repo._staging.sets[1]._bufs
+    assert repo.checkpointing._staging.sets[0]._bufs and repo.checkpointing._staging.sets[1]._bufs
     t, box = in_thread(repo.save_async, "r", 3, model(3), overlap=False)
     t.join(0.5)
     assert t.is_alive() and not h1.done()  # without overlap the call waits for the saves in flight
@@ -208,8 +208,8 @@ def test_overlap_false_waits_and_frees_the_other_set(store, repo):
     t.join(30)
     assert "error" not in box
     box["result"].wait()
-    used = repo._staging.last
-    assert repo._staging.sets[1 - used]._bufs == {}  # one set of host memory again
+    used = repo.checkpointing._staging.last
+    assert repo.checkpointing._staging.sets[1 - used]._bufs == {}  # one set of host memory again
     assert repo.steps("r") == [1, 2, 3]
 
 
@@ -247,7 +247,7 @@ def test_trusted_reuse_waits_for_the_save_in_flight(store, repo):
     store.close_gate()
     adapter.add_(1)
     h1 = repo.save_async("r", 1, state, trust_versions=True)  # base skipped: nothing in flight
-    assert {path for path, _ in repo._staging.sets[repo._staging.last]._bufs} == {"adapter"}
+    assert {path for path, _ in repo.checkpointing._staging.sets[repo.checkpointing._staging.last]._bufs} == {"adapter"}
     store.wait_blocked()
     adapter.add_(1)
     t, box = in_thread(repo.save_async, "r", 2, state, trust_versions=True)
@@ -256,7 +256,7 @@ def test_trusted_reuse_waits_for_the_save_in_flight(store, repo):
     store.gate.set()
     t.join(30)
     box["result"].wait()
-    assert {path for path, _ in repo._staging.sets[repo._staging.last]._bufs} == {"adapter"}
+    assert {path for path, _ in repo.checkpointing._staging.sets[repo.checkpointing._staging.last]._bufs} == {"adapter"}
     assert repo.manifest("r", 2).entry("base/w0")["chunks"] == repo.manifest("r", 0).entry("base/w0")["chunks"]
     assert torch.equal(repo.load("r", 2)["adapter"], torch.full((16, 16), 2.0))
     assert same(repo.load("r", 2)["base"], base)
@@ -288,7 +288,7 @@ def test_reuse_is_never_decided_against_a_save_in_flight(store, repo):
     # a's version record matches the committed save 0, but save 1 (in flight) will be the previous save when this
     # one commits: reusing "the previous chunks" would store b's bytes as a. a is copied instead.
     h2 = returns_promptly(repo.save_async, "r", 2, {"w": a}, trust_versions=True)
-    assert {path for path, _ in repo._staging.sets[repo._staging.last]._bufs} == {"w"}
+    assert {path for path, _ in repo.checkpointing._staging.sets[repo.checkpointing._staging.last]._bufs} == {"w"}
     store.gate.set()
     h2.wait()
     assert torch.equal(repo.load("r", 2)["w"], a) and torch.equal(repo.load("r", 1)["w"], b)
@@ -420,11 +420,11 @@ def test_pinned_buffers_only_when_cuda_is_available(monkeypatch, fake_device, re
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     state = model(1)
     repo.save_async("r", 1, state).wait()
-    assert fake_device == [] and repo._staging.sets[0].pinned() == []
+    assert fake_device == [] and repo.checkpointing._staging.sets[0].pinned() == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     repo.save_async("r", 2, state).wait()
     assert sorted(fake_device) == sorted(v.nbytes for v in state.values())  # one pinned buffer per device leaf
-    staged = repo._staging.sets[0]
+    staged = repo.checkpointing._staging.sets[0]
     assert {t.data_ptr() for t in staged.pinned()} == set(addresses(staged).values())  # the buffers are the pins
     before = addresses(staged)
     for v in state.values():
@@ -440,7 +440,7 @@ def test_cpu_tensors_are_never_pinned(monkeypatch, repo):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(buffers, "_pin_alloc", lambda n: calls.append(n))
     repo.save_async("r", 1, model(1)).wait()
-    assert calls == [] and repo._staging.sets[0].pinned() == []
+    assert calls == [] and repo.checkpointing._staging.sets[0].pinned() == []
 
 
 def test_pinning_failure_falls_back_to_pageable_buffers(monkeypatch, fake_device, repo, caplog):
@@ -458,7 +458,7 @@ def test_pinning_failure_falls_back_to_pageable_buffers(monkeypatch, fake_device
         repo.save_async("r", 1, state).wait()
         repo.save_async("r", 2, state).wait()
     assert len(calls) == len(state)  # tried once per buffer, not again on every save
-    assert repo._staging.sets[0].pinned() == [] and len(repo._staging.sets[0]._bufs) == len(state)
+    assert repo.checkpointing._staging.sets[0].pinned() == [] and len(repo.checkpointing._staging.sets[0]._bufs) == len(state)
     assert len([r for r in caplog.records if "cannot pin" in r.getMessage()]) == 1
     assert same(repo.load("r", 2), state)
 
@@ -538,6 +538,6 @@ def test_device_copies_run_on_a_side_stream_and_are_waited_for_once(monkeypatch,
     log.clear()
     repo.save_async("r", 2, state).wait()
     assert "new stream on cuda:0" not in log and log.count("wait for the current stream") == 1  # stream reused
-    assert len(repo._staging.sets[0].pinned()) == 3
+    assert len(repo.checkpointing._staging.sets[0].pinned()) == 3
     out = repo.load("r", 2)
     assert same({k: out[k] for k in plain}, plain) and torch.equal(out["host"], torch.ones(10))

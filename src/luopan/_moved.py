@@ -3,6 +3,8 @@ signature). Each old name still works for one release, with a DeprecationWarning
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 import os
 import warnings
@@ -77,16 +79,29 @@ def _is_step(value: Any) -> bool:
     return True
 
 
-def step_second(verb: str, step: Any, other: Any, what: str) -> tuple[int | None, Any]:
-    """``(step, other)`` of ``repo.<verb>(run, step, other)``; the old order ``repo.<verb>(run, other, step)`` is
-    recognised (its second argument is not a step) and still works for one release, with a DeprecationWarning."""
-    if step is not None and not _is_step(step):
-        if isinstance(step, (str, os.PathLike)) or what != "path":
-            warnings.warn(f"repo.{verb}(run, {what}, step) is deprecated: the step comes second, "
-                          f"repo.{verb}(run, step, {what}) or repo.{verb}(run, {what}={what})",
-                          DeprecationWarning, stacklevel=3)
-            step, other = other, step
-    if other is None:
-        raise UsageError(f"repo.{verb} needs a {what}: repo.{verb}(run, step, {what}) or "
-                         f"repo.{verb}(run, {what}={what})")
-    return step, other
+def step_second(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate ``Repo.<verb>(self, run, step=None, <what>=None, *, ...)``: the step comes second. The old order
+    ``repo.<verb>(run, <what>, step)`` — also with ``step=`` as a keyword — is recognised (its second argument is
+    not a step) and still works for one release, with a DeprecationWarning. ``inspect.signature`` shows the new
+    signature, with its real keywords."""
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+        verb = fn.__name__
+
+        @functools.wraps(fn)
+        def wrapper(self: Any, run: Any, *args: Any, **kwargs: Any) -> Any:
+            if args and args[0] is not None and not _is_step(args[0]) and what not in kwargs:
+                warnings.warn(f"repo.{verb}(run, {what}, step) is deprecated: the step comes second, "
+                              f"repo.{verb}(run, step, {what}) or repo.{verb}(run, {what}={what})",
+                              DeprecationWarning, stacklevel=2)
+                kwargs[what] = args[0]
+                args = args[1:]
+            bound = signature.bind(self, run, *args, **kwargs)
+            if bound.arguments.get(what) is None:
+                raise UsageError(f"repo.{verb} needs a {what}: repo.{verb}(run, step, {what}) or "
+                                 f"repo.{verb}(run, {what}={what})")
+            return fn(*bound.args, **bound.kwargs)
+
+        wrapper.__signature__ = signature  # type: ignore[attr-defined]
+        return wrapper
+    return decorate

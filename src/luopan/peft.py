@@ -218,7 +218,7 @@ def export_adapter(repo: Any, run: str, out_dir: str | os.PathLike[str], step: i
     except OSError as exc:
         raise OutputPathError(exc.errno or 5, f"cannot create the adapter directory {out}: "
                                               f"{exc.strerror or exc}") from None
-    info = repo.export(run, os.path.join(out, ADAPTER_WEIGHTS), m.step, subtree="model")
+    info = repo.export(run, m.step, os.path.join(out, ADAPTER_WEIGHTS), subtree="model")
     data = json.dumps(adapter_config_json(record["config"]), indent=2, sort_keys=True).encode()
     write_atomic(os.path.join(out, ADAPTER_CONFIG), data)
     return {"path": out, "tensors": info["tensors"], "bytes": info["bytes"],

@@ -108,18 +108,18 @@ class Repo:
         """The state of checkpoint ``step`` of ``run`` (the latest when None), every chunk verified."""
         return self.checkpointing.load(run, step, group=group)
 
+    @_step_second("target")
     def load_into(self, run: str, step: int | None = None, target: Any = None, *, strict: bool = True,
                   group: Any = None) -> Any:
         """Load checkpoint ``step`` (the latest when None) of ``run`` into ``target`` (a module, optimizer or
         state dict) in place. ``load_into(run, target, step)`` (the old order) still works, with a warning."""
-        step, target = _step_second("load_into", step, target, "target")
         return self.checkpointing.load_into(run, target, step, strict=strict, group=group)
 
+    @_step_second("path")
     def export(self, run: str, step: int | None = None, path: str | os.PathLike[str] | None = None, *,
                subtree: str | None = None, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Write checkpoint ``step`` (the latest when None) of ``run`` as one safetensors file at ``path``.
         ``export(run, path, step)`` (the old order) still works, with a warning."""
-        step, path = _step_second("export", step, path, "path")
         return self.checkpointing.export(run, path, step, subtree=subtree, progress=progress)
 
     def diff(self, run: str, step: int, to_step: int) -> dict[str, Any]:
@@ -235,7 +235,7 @@ def open(  # noqa: A001  (the public verb is luopan.open)
     Tiered storage (docs/format.md §10.2): ``replicate_to`` (a URL or path, recorded in the local
     ``tier/config.json`` so later opens need not repeat it) gets every committed checkpoint and artifact version
     copied in the background; ``local_retention`` (luopan.retention rules) evicts local copies once the remote has
-    them; ``cold=luopan.ColdPolicy(url, older_than="7d")`` names where ``repo.apply_cold_policy()`` moves old ones.
+    them; ``cold=luopan.ColdPolicy(url, older_than="7d")`` names where ``repo.tier.apply_cold_policy()`` moves old ones.
     ``lock_timeout`` (seconds, default 600; None waits forever) is how long a write waits for a prune/gc holding the
     exclusive lock, and prune/gc for writes (docs/format.md §9.2). ``space_margin`` (default 1.5; 0 turns it off):
     a write first checks that the disk has this many times its estimated new bytes free (§10.4). ``read_check``:

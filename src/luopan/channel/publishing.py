@@ -127,7 +127,7 @@ def publish(
         scratch = make_scratch(scratch_candidates(root), os.stat(root).st_dev)
         try:
             say(f"exporting {run} step {step}" + (f" ({subtree})" if subtree else ""))
-            r.export(run, scratch.file(FULL_TMP), step, subtree=subtree)
+            r.export(run, step, scratch.file(FULL_TMP), subtree=subtree)
             fd = scratch.open_written(FULL_TMP)  # what is fingerprinted, hashed and moved is what luopan wrote
             try:
                 fingerprint = hash_file(fd, scratch.file(FULL_TMP), chunk_size).fingerprint

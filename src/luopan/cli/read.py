@@ -124,7 +124,7 @@ def export(
     with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("export", total=m.stats["logical_bytes"])
-        info = r.export(run, output, m.step, subtree=subtree, progress=lambda n: bar.advance(task, n))
+        info = r.export(run, m.step, output, subtree=subtree, progress=lambda n: bar.advance(task, n))
     if as_json:
         emit_json({"run": run, "step": m.step, **info, "signature": _sign_export(info["path"], sign, quiet=True)})
         return

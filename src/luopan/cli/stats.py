@@ -159,12 +159,12 @@ def check(
         raise UsageError("give --read-data (everything) or --read-data-subset (a part), not both")
     subset = ALL if read_data else Subset.parse(read_data_subset) if read_data_subset is not None else None
     if subset is None or as_json or not err.is_terminal:  # a bar only where someone watches it
-        rep = check_repo(r, subset)
+        rep = check_repo(r.checkpointing, subset)
     else:
         with Progress(TextColumn("reading data"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       TimeRemainingColumn(), console=err, transient=True) as bar:
             task = bar.add_task("check", total=None)
-            rep = check_repo(r, subset, progress=lambda n: bar.advance(task, n),
+            rep = check_repo(r.checkpointing, subset, progress=lambda n: bar.advance(task, n),
                              on_total=lambda n: bar.update(task, total=n))
     if as_json:
         emit_json(rep.to_json())
@@ -203,7 +203,7 @@ def rm(
     deletes manifests (the run's `latest` ref stays pointing at a checkpoint that exists); the data only they used
     is freed by a later `luopan gc`. Safe to interrupt: run it again to finish."""
     run, step = checkpoint_ref(ref, legacy_step, "rm", old="RUN --step STEP", quiet=as_json)
-    done = remove(r, run, step, force=force, dry_run=dry_run)
+    done = remove(r.checkpointing, run, step, force=force, dry_run=dry_run)
     if as_json:
         emit_json(done.to_json())
         return

@@ -25,22 +25,9 @@ Contract every policy keeps:
 """
 
 from .base import AnyOf, SavePolicy
-from .base import _check_kind as _check_kind
-from .base import _members as _members
-from .base import _metric as _metric
-from .checks import _fraction as _fraction
-from .checks import _metric_name as _metric_name
-from .checks import _non_negative_float as _non_negative_float
-from .checks import _non_negative_int as _non_negative_int
-from .checks import _number as _number
-from .checks import _positive_float as _positive_float
-from .checks import _positive_int as _positive_int
 from .phased import Phased
-from .phased import _relative as _relative
 from .schedule import EveryNSteps, EveryTSeconds
-from .schedule import _Timer as _Timer
 from .spike import LossSpike
-from .young_daly import _COST_WINDOW as _COST_WINDOW
 from .young_daly import YoungDaly
 
 __all__ = ["AnyOf", "EveryNSteps", "EveryTSeconds", "LossSpike", "Phased", "SavePolicy", "YoungDaly"]

@@ -52,7 +52,6 @@ Plan, check_metrics), `flags` (``luopan prune``'s flags); durations are read by 
 from ..units import parse_duration
 from .checkpoint import Checkpoint
 from .checkpoint import parse_time as parse_time
-from .flags import _parse_count as _parse_count
 from .flags import (
     parse_keep_best,
     parse_keep_every_steps,
@@ -72,11 +71,9 @@ from .rules import (
     RetentionRule,
     Rules,
 )
-from .rules import _members as _members
-from .rules import _rule_list as _rule_list
 
-# Besides __all__, importable from here as before the split (``X as X``): parse_time, NO_RULE_MESSAGE, EPOCH and the
-# helpers other luopan modules use (_rule_list, _members, _parse_count).
+# Besides __all__, importable from here as before the split (``X as X``): parse_time, NO_RULE_MESSAGE and EPOCH.
+# Private helpers stay in their modules (rules, flags).
 
 __all__ = [
     "Checkpoint",
