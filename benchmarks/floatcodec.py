@@ -97,7 +97,7 @@ def zipnn_sizes(state: dict[str, Any], log: Any) -> dict[str, Any]:
 def codec_seconds(state: dict[str, Any]) -> dict[str, Any]:
     """luopan's blob codec alone, and plain zstd-3, on the 4 MiB chunks of every tensor, on all worker threads."""
     from luopan.format.config import Compression
-    from luopan.repository.blobcodec import compressor, decode_blob, encode_blob
+    from luopan.format.codecs import compressor, decode_blob, encode_blob
     from luopan.repository.parallel import WORKERS
 
     auto = Compression.parse("auto")

@@ -94,7 +94,7 @@ def _bad_shard_saves(repo: luopan.Repo, rank: int, step: int) -> None:
 
 
 def _load_shards(repo: luopan.Repo, rank: int, world: int, step: int, mesh: object) -> None:
-    from luopan.checkpoint import collectiveload
+    from luopan.checkpoint.distributed import load as collectiveload
 
     read: list[str] = []
     entry_jobs = collectiveload.entry_jobs

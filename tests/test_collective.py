@@ -186,7 +186,7 @@ def test_shard_declarations_are_checked_and_only_collective_saves_take_them(repo
 
 
 def test_a_shard_replicated_on_more_than_64_ranks_reads_back_and_bad_layouts_are_not_committed():
-    from luopan.checkpoint.ranks import check_member, ranks_member
+    from luopan.checkpoint.distributed.ranks import check_member, ranks_member
 
     entries = [{"path": "w/shard-0", "kind": "torch", "dtype": "float32", "shape": [4]}]
     member = ranks_member(65, [], {"w": ("float32", (4,), [((0,), (4,), 0, tuple(range(65)))])})

@@ -127,5 +127,5 @@ def test_one_chunk_pipeline_and_one_commit_sequence():
                         "PackChecker": {"repository/chunkwriter.py", "repository/core.py"},
                         "build_index": {"repository/chunkwriter.py", "repository/gc.py"}}
     assert kind_locks == ["index/api.py"]  # rollback moves the current ref, under the lock; it commits no manifest
-    assert kind_puts == ["checkpoint/runrecord.py"]  # a run's record (context, never a manifest)
+    assert kind_puts == ["checkpoint/runs/record.py"]  # a run's record (context, never a manifest)
     assert private == []

@@ -175,7 +175,7 @@ def test_readme_dcp_example_runs_as_written(tmp_path, child_env):
 
 def _spy_store_entries(monkeypatch) -> list[list[str]]:
     """The key paths each store_entries call was given (the items a Writer read and hashed)."""
-    from luopan.checkpoint.parts import Parts
+    from luopan.checkpoint.distributed.parts import Parts
 
     calls: list[list[str]] = []
     original = Parts.store_entries

@@ -256,7 +256,7 @@ def test_cli_show_ls_and_du_read_grouped_manifests(lora):
 def test_a_save_failing_after_its_chunks_leaves_no_packs_or_index(lora, monkeypatch, where):
     """The index file is written after the groups: a save that fails before it takes its packs back."""
     import luopan.checkpoint.grouping as grouping
-    import luopan.checkpoint.save as save
+    import luopan.checkpoint.pipeline as save
 
     root, repo, saved, base = lora
     packs_before = set(repo.store.list("packs/"))

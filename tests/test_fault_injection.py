@@ -963,7 +963,7 @@ class _Gathered:
 def test_a_store_failure_on_one_rank_is_the_same_typed_error_on_every_rank():
     """Every rank raises the same error; a rank's full disk is a StorageFullError on all of them (so all can free
     space and save again together), an I/O error a StorageError; any other failure a plain CollectiveError."""
-    from luopan.checkpoint import collective as C
+    from luopan.checkpoint.distributed import collective as C
     full = luopan.StorageFullError(errno.ENOSPC, "no space left on '/r' while writing packs/ab/x.pack: free space")
     broken = luopan.StorageError(errno.EIO, "cannot write index/x.json in /r: Input/output error; check the disk")
     ok = (True, None)

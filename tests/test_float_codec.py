@@ -17,7 +17,7 @@ from luopan.errors import CorruptPackError, UnsupportedFormatError
 from luopan.format.config import Compression, RepoConfig
 from luopan.format.pack import CODECS, ENGINE2_CODECS
 from luopan.repository import blobcodec, bytegroup, planes
-from luopan.repository.blobcodec import decode_blob, encode_blob
+from luopan.format.codecs import decode_blob, encode_blob
 
 torch = pytest.importorskip("torch")
 

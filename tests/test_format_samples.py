@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from luopan.artifact.manifest import parse_artifact_manifest
-from luopan.checkpoint.runrecord import parse_eval, parse_record
+from luopan.checkpoint.runs.record import parse_eval, parse_record
 from luopan.repository.pins import parse_pin
 from luopan.format.canonical import canonical, seal, unseal_file
 from luopan.format.config import RepoConfig
@@ -246,7 +246,7 @@ def check_ranks_member(doc: dict[str, Any]) -> None:
     """A manifest's ``ranks`` member, checked by the reader against entries shaped as its chunks say."""
     import types
 
-    from luopan.checkpoint.ranks import parse_ranks
+    from luopan.checkpoint.distributed.ranks import parse_ranks
 
     entries = [{"path": f"e{i}", "kind": "torch", "dtype": "float32", "shape": [1]} for i in range(10)]
     for rec in doc["sharded"].values():

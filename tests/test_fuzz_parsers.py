@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import luopan
 from luopan.repository.chunkio import read_trailer
-from luopan.checkpoint.runrecord import parse_eval, parse_record
+from luopan.checkpoint.runs.record import parse_eval, parse_record
 from luopan.repository.pins import parse_pin
 from luopan.errors import LuopanError
 from luopan.format.canonical import canonical, seal, unseal

@@ -1,4 +1,4 @@
-"""The resume check (luopan.checkpoint.resumes): after restore(), the first steps of the resumed run are compared with
+"""The resume check (luopan.checkpoint.runs.resumes): after restore(), the first steps of the resumed run are compared with
 the metrics the interrupted run journaled; each resume and its outcome is recorded and listed by list_resumes."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import luopan
-from luopan.checkpoint.resumes import ResumeCheck, RunJournal, journal_name, list_resumes
+from luopan.checkpoint.runs.resumes import ResumeCheck, RunJournal, journal_name, list_resumes
 from luopan.errors import UsageError
 from luopan.policies import EveryNSteps
 from luopan.torch import CheckpointManager, TrainingState
@@ -161,7 +161,7 @@ def test_values_compared(repo):
 
 def test_list_resumes_needs_no_torch(repo_path, child_env):
     luopan.open(repo_path).close()
-    code = ("import sys; from luopan.checkpoint.resumes import list_resumes; "
+    code = ("import sys; from luopan.checkpoint.runs.resumes import list_resumes; "
             f"print(list_resumes({str(repo_path)!r}, 'run')); assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -206,7 +206,7 @@ def test_by_default_only_losses_are_compared_when_a_step_has_one(repo):
 
 
 def test_a_damaged_metrics_journal_or_odd_metrics_never_fail_the_loop(repo, monkeypatch):
-    from luopan.checkpoint import resumes
+    from luopan.checkpoint.runs import resumes
     from luopan.errors import CorruptJournalError
 
     j = RunJournal(repo, "d", ResumeCheck())

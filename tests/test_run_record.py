@@ -133,7 +133,7 @@ def test_undecodable_bytes_never_fail_a_save(tmp_path, dirty_worktree, monkeypat
 
 
 def test_a_record_that_cannot_be_built_never_fails_or_hides_a_save(tmp_path, monkeypatch):
-    from luopan.checkpoint import runrecord
+    from luopan.checkpoint.runs import record as runrecord
 
     def broken():
         raise RuntimeError("metadata is broken")

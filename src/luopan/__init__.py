@@ -77,7 +77,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Artifact": "artifact", "ArtifactVersion": "artifact",
     "CheckpointInfo": "checkpoint.info", "SaveHandle": "checkpoint.info", "VerifyReport": "checkpoint.info",
-    "DeltaPolicy": "checkpoint.rowdelta", "Run": "checkpoint.runrecord", "Shard": "checkpoint.shards",
+    "DeltaPolicy": "checkpoint.rowdelta", "Run": "checkpoint.runs.record", "Shard": "checkpoint.distributed.shards",
     "Repo": "repo", "init": "repo", "open": "repo",
     "Lineage": "repository.lineage", "ColdPolicy": "repository.tiersetup",
 }
@@ -87,8 +87,8 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers and IDEs: the same nam
     from .artifact import Artifact, ArtifactVersion
     from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
     from .checkpoint.rowdelta import DeltaPolicy
-    from .checkpoint.runrecord import Run
-    from .checkpoint.shards import Shard
+    from .checkpoint.runs.record import Run
+    from .checkpoint.distributed.shards import Shard
     from .repo import Repo, init, open
     from .repository.lineage import Lineage
     from .repository.tiersetup import ColdPolicy

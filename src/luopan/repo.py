@@ -15,7 +15,7 @@ from .checkpoint.api import Checkpoints
 from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
 from .checkpoint.kind import CHECKPOINTS
 from .checkpoint.rowdelta import DeltaPolicy
-from .checkpoint.runrecord import Run
+from .checkpoint.runs.record import Run
 from .errors import UsageError
 from .format.config import Compression, RepoConfig
 from .format.manifest import Manifest
@@ -87,7 +87,7 @@ class Repo:
              progress: bool | None = None, group: Any = None) -> CheckpointInfo:
         """Save ``state`` (a nested dict/list of tensors, arrays and JSON values) as checkpoint ``step`` of ``run``:
         only the chunks the repository lacks are written, and the checkpoint appears atomically (docs/format.md §10).
-        ``group`` (a process group, or True): every rank calls it, one checkpoint (luopan.checkpoint.collective).
+        ``group`` (a process group, or True): every rank calls it, one checkpoint (luopan.checkpoint.distributed.collective).
         See ``luopan.checkpoint.Checkpoints.save`` for every keyword."""
         options = _given(metrics=metrics, metadata=metadata, overwrite=overwrite, trust_versions=trust_versions,
                          touched_rows=touched_rows, inputs=inputs, progress=progress)
@@ -150,7 +150,7 @@ class Repo:
         return self.checkpointing.manifest(run, step)
 
     def run(self, name: str) -> Run:
-        """A run: its record, eval logs, pins and signatures (luopan.checkpoint.runrecord.Run)."""
+        """A run: its record, eval logs, pins and signatures (luopan.checkpoint.runs.record.Run)."""
         return self.checkpointing.run(name)
 
     def delete(self, run: str, step: int) -> bool:

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from ..repository.core import Repository
-from .collective import Collective
+from .distributed.collective import Collective
 from .maintaining import Maintaining
 from .rowdelta import DeltaPolicy
 

@@ -14,7 +14,7 @@ from ..format.groups import (GROUP_MIN_ENTRIES, GROUPS_FORMAT_VERSION, MAX_GROUP
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.pack import BlobLocation
 from ..errors import LuopanError
-from ..repository.blobcodec import zstd_blob
+from ..format.codecs import zstd_blob
 from ..repository.chunkio import ChunkRef, read_chunk
 from ..repository.chunkwriter import ChunkWriter
 from .writectx import WriteContext

@@ -30,7 +30,7 @@ from ..format.names import (
 from ..format.refs import build_ref, parse_ref
 from ..repository.locks import locked
 from ..store.base import KeyNotFound
-from .runjournals import METRICS, RESUMES, journal_name
+from .runs.journals import METRICS, RESUMES, journal_name
 
 
 @dataclass
@@ -71,7 +71,7 @@ def _run_files(store: Any, run: str) -> list[str]:
     keys = [k for k in (record_key(run), latest_ref_key(run)) if store.exists(k)]
     keys += list(store.list(eval_prefix(run)))
     keys += list(store.list(f"refs/signatures/{run}/"))
-    for prefix in (METRICS, RESUMES):  # the resume check's journals of the run (luopan.checkpoint.resumes)
+    for prefix in (METRICS, RESUMES):  # the resume check's journals of the run (luopan.checkpoint.runs.resumes)
         keys += list(store.list(f"journals/{journal_name(prefix, run)}/"))
     return keys
 

@@ -37,11 +37,11 @@ from .progress import SaveProgress
 from .kind import CHECKPOINTS
 from .request import SaveRequest, check_json, entries_by_path, same_version, tensor_versions, touched_hints
 from .rowdelta import DeltaPolicy, RowTrack
-from .runrecord import RecordWriter, Run
+from .runs.record import RecordWriter, Run
 from .deltaplan import disk_tracks
 from .grouping import basis as grouping_basis, wants_groups
 from ..format.groups import GROUPS_FORMAT_VERSION
-from .save import write_checkpoint
+from .pipeline import write_checkpoint
 from .writectx import WriteContext
 from .staging import Staging
 

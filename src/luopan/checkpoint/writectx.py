@@ -1,4 +1,4 @@
-"""What a checkpoint save works with and returns (the save pipeline itself is luopan.checkpoint.save)."""
+"""What a checkpoint save works with and returns (the save pipeline itself is luopan.checkpoint.pipeline)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from ..artifact import artifact_names
 from ..checkpoint.info import CheckpointInfo
 from ..repo import Repo
 from ..checkpoint.export import diff_manifests
-from ..checkpoint.resumes import list_resumes
+from ..checkpoint.runs.resumes import list_resumes
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import manifest_key
 from .artifact import KindOpt, is_artifact_target, print_log
@@ -227,7 +227,7 @@ def show(
 
 
 def resume_text(res: dict[str, Any]) -> str:
-    """One line for a resume of the run (CheckpointManager's resume check, luopan.checkpoint.resumes)."""
+    """One line for a resume of the run (CheckpointManager's resume check, luopan.checkpoint.runs.resumes)."""
     took = res.get("restore_seconds")
     head = f"from step {res['step']} at {res.get('time') or '?'}" + (f", restore {took:.2f}s" if took else "")
     if res.get("matched") is True:

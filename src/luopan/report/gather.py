@@ -313,9 +313,9 @@ def lineage_edges(runs: list[RunData], artifacts: dict[str, list[ArtifactVersion
 
 
 def resumes_api() -> Any:
-    """``luopan.checkpoint.resumes.list_resumes`` when this luopan has it (restore times), else None."""
+    """``luopan.checkpoint.runs.resumes.list_resumes`` when this luopan has it (restore times), else None."""
     try:
-        from ..checkpoint.resumes import list_resumes  # type: ignore[import-not-found,unused-ignore]
+        from ..checkpoint.runs.resumes import list_resumes  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
     return list_resumes

@@ -22,7 +22,7 @@ from ..format.limits import MAX_TRAILER_BYTES
 from ..format.names import pack_key
 from ..format.pack import FOOTER_SIZE, HEADER_SIZE, PackFormatError, parse_trailer
 from ..store.base import KeyNotFound, Store
-from .blobcodec import decode_blob
+from ..format.codecs import decode_blob
 from .parallel import WORKERS, ordered_map
 
 _tls = threading.local()

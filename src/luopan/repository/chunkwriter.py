@@ -34,7 +34,7 @@ from ..format.names import index_key
 from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import Store
 from .arenas import Arenas
-from .blobcodec import encode_blob
+from ..format.codecs import encode_blob
 from .packwriter import PackChecker, PackWriter, exists_quietly
 from .parallel import WORKERS, ordered_map
 

@@ -12,7 +12,7 @@ from ..format.manifest import rows_of
 from ..format.names import pack_key
 from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import KeyNotFound, Store
-from .blobcodec import compressor  # noqa: F401  (importable from here as before)
+from ..format.codecs import compressor  # noqa: F401  (importable from here as before)
 from .chunkio import check_pack_trailer
 
 PACK_WRITES_IN_FLIGHT = 3

@@ -14,7 +14,7 @@ from ..format.manifest import Row, manifest_rows, stored_rows
 from ..format.names import pack_key
 from ..format.pack import PackBuilder, PackFormatError
 from ..store.base import KeyNotFound, Store
-from .blobcodec import decode_blob
+from ..format.codecs import decode_blob
 from .chunkio import read_trailer
 from .gcreport import GcReport
 

@@ -10,7 +10,7 @@
 
 ``mgr.last_save`` (a luopan.checkpoint.progress.SaveReport) holds the figures of the last committed save, and
 ``on_save=callback`` receives each one (for async saves once committed, on the loop's thread, at its next
-``maybe_save``/``log``/``save``/``close``). The resume check (luopan.checkpoint.resumes) compares the first steps after
+``maybe_save``/``log``/``save``/``close``). The resume check (luopan.checkpoint.runs.resumes) compares the first steps after
 a ``restore()`` with the metrics the interrupted run journaled for them.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 from ..checkpoint.info import CheckpointInfo, SaveHandle
 from ..checkpoint.progress import SaveReport, logger
-from ..checkpoint.resumes import ResumeCheck, RunJournal
+from ..checkpoint.runs.resumes import ResumeCheck, RunJournal
 from ..checkpoint.read import chunk_refs, delta_jobs
-from ..checkpoint.runrecord import config_json
+from ..checkpoint.runs.record import config_json
 from ..errors import IntegrityError
 from ..format.manifest import Manifest, manifest_rows
 from ..format.names import check_run, pack_key
@@ -55,7 +55,7 @@ class CheckpointManager:
     ``progress``: report saves longer than two seconds on stderr (None: the repository's setting, on by default;
     False: silent); each committed save also logs an INFO record to the ``luopan`` logger. ``on_save``: called with
     each committed save's SaveReport (step, stall_seconds, duration_seconds, bytes_written, dedup_ratio, …); an
-    exception it raises is a warning, the save stands. ``resume_check``: a luopan.checkpoint.resumes.ResumeCheck
+    exception it raises is a warning, the save stands. ``resume_check``: a luopan.checkpoint.runs.resumes.ResumeCheck
     (default ``ResumeCheck()``: 20 steps, exact), or False to journal no metrics and check nothing. Only rank 0 of
     a torch.distributed job journals metrics.
     """
@@ -108,7 +108,7 @@ class CheckpointManager:
         object store) raises instead: that is not damage, and falling back would silently lose progress. With
         ``step``, that checkpoint or an error: never a fallback to another step.
 
-        With the resume check on, the resume is recorded (luopan.checkpoint.resumes.list_resumes) and the next steps'
+        With the resume check on, the resume is recorded (luopan.checkpoint.runs.resumes.list_resumes) and the next steps'
         metrics are compared with those the interrupted run logged.
         """
         started = time.perf_counter()

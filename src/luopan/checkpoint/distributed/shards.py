@@ -3,7 +3,7 @@
 A rank says which part it holds with ``luopan.Shard(tensor, global_shape, offsets)``; torch's ``DTensor`` (FSDP2,
 tensor parallel) and legacy ``ShardedTensor`` say it themselves. A collective save stores each distinct shard once
 (a shard replicated on several ranks, equal bytes, is written by one of them) under ``<path>/shard-<offsets>`` and
-records the global layout in the manifest's ``ranks`` member (luopan.checkpoint.ranks).
+records the global layout in the manifest's ``ranks`` member (luopan.checkpoint.distributed.ranks).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ArgumentTypeError, CollectiveError, UsageError
+from ...errors import ArgumentTypeError, CollectiveError, UsageError
 from .ranks import cover_problem
 
 Layout = tuple[tuple[int, ...], tuple[int, ...]]  # (global shape, offsets) of one rank's shard

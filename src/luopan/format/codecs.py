@@ -9,8 +9,9 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptPackError
-from ..format.config import Compression
-from . import bytegroup, planes
+from .config import Compression
+from . import bytegroup
+from . import planes
 
 _tls = threading.local()
 

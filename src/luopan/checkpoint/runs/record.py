@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from ..errors import (
+from ...errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptRepoError,
@@ -28,14 +28,14 @@ from ..errors import (
     UnsupportedFormatError,
     UnsupportedValueError,
 )
-from ..format import BASE_FORMAT_VERSION
-from ..format.canonical import canonical, seal, unseal_file
-from ..format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
-from ..format.manifest import decode_metrics, encode_metrics
-from ..format.names import check_run, check_step, eval_key, eval_prefix, latest_ref_key, record_key
-from ..format.refs import parse_ref
-from .base import CheckpointBase
-from ..repository.pins import (
+from ...format import BASE_FORMAT_VERSION
+from ...format.canonical import canonical, seal, unseal_file
+from ...format.limits import MAX_EVAL_BYTES, MAX_RECORD_BYTES, MAX_SMALL_BYTES
+from ...format.manifest import decode_metrics, encode_metrics
+from ...format.names import check_run, check_step, eval_key, eval_prefix, latest_ref_key, record_key
+from ...format.refs import parse_ref
+from ..base import CheckpointBase
+from ...repository.pins import (
     add_pin,
     check_step_field,
     pin_problems,
@@ -43,9 +43,9 @@ from ..repository.pins import (
     remove_pin,
     require_members,
 )
-from ..repository.verify import as_problem
-from ..store.base import KeyNotFound
-from .kind import CHECKPOINTS
+from ...repository.verify import as_problem
+from ...store.base import KeyNotFound
+from ..kind import CHECKPOINTS
 
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 PACKAGES = ("luopan", "torch", "numpy", "safetensors", "transformers", "accelerate", "deepspeed", "lightning")

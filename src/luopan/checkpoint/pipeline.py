@@ -15,7 +15,7 @@ from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION, SEGMENTS_FORMA
 from ..format.chunking import chunk_spans
 from ..format.manifest import Row, encode_metrics, structure_fingerprint, uses_new_codecs
 from ..format.names import manifest_key
-from ..repository.blobcodec import encode_blob
+from ..format.codecs import encode_blob
 from ..repository.chunkwriter import ChunkWriter, Item
 from ..repository.parallel import WORKERS
 from .commit import seal_checkpoint, write_latest_ref

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from ..errors import JournalBusyError, LuopanError, UsageError
-from .progress import logger
-from .runjournals import METRICS, RESUMES, journal_name
+from ...errors import JournalBusyError, LuopanError, UsageError
+from ..progress import logger
+from .journals import METRICS, RESUMES, journal_name
 
 if TYPE_CHECKING:  # a kind imports no other kind: journals are opened through the Repo (``repo.journal``)
-    from ..journal.api import Journal
-    from ..repo import Repo
+    from ...journal.api import Journal
+    from ...repo import Repo
 
 KEYS = ("step", "time", "restore_seconds", "matched", "first_divergent_step", "steps_compared")
 
@@ -120,7 +120,7 @@ def list_resumes(repo: Repo | str | os.PathLike[str], run: str) -> list[dict[str
     ``first_divergent_step`` (int or None), ``steps_compared``, and ``detail`` (what differed, or None). ``repo``: an
     open ``luopan.Repo`` or the path of one."""
     if isinstance(repo, (str, os.PathLike)):
-        from ..repo import open as open_repo
+        from ...repo import open as open_repo
 
         with open_repo(repo, create=False, replicate=False) as opened:
             return list_resumes(opened, run)

@@ -1,4 +1,4 @@
-"""Names of the journals the resume check keeps per run (luopan.checkpoint.resumes): ``metrics-<run>`` and
+"""Names of the journals the resume check keeps per run (luopan.checkpoint.runs.resumes): ``metrics-<run>`` and
 ``resumes-<run>``. Apart so that removing a run (luopan.checkpoint.removal) finds them without importing the check."""
 
 from __future__ import annotations

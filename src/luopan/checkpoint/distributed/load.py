@@ -11,20 +11,20 @@ from typing import Any
 
 import numpy as np
 
-from .. import typed
-from ..errors import (
+from ... import typed
+from ...errors import (
     CorruptManifestError,
     LayoutMismatchError,
     StateMismatchError,
     UsageError,
 )
-from ..format.manifest import Manifest
-from ..format.names import join_path
-from ..repository.chunkio import PackSizes, read_chunks
-from ..tree import flatten, itemsize, new_array, unflatten
+from ...format.manifest import Manifest
+from ...format.names import join_path
+from ...repository.chunkio import PackSizes, read_chunks
+from ...tree import flatten, itemsize, new_array, unflatten
 from .ranks import Chunk, Ranks, Sharded, parse_ranks
-from .read import check_rows, entry_jobs
-from .reading import writable_bytes
+from ..read import check_rows, entry_jobs
+from ..reading import writable_bytes
 from .shards import unwrap
 
 RANK_PREFIX = "rank-"

@@ -10,7 +10,7 @@ by every rank of the group, is one checkpoint.
    tensor that differs between ranks (each rank's RNG state) is written by every rank and kept per rank: its node in
    the tree becomes ``{"rank-0": …, "rank-1": …}`` and the manifest's ``ranks`` member names it.
    A sharded value (``luopan.Shard``, a ``DTensor``, a ``ShardedTensor``) is stored as shards, each distinct one
-   once, with its global layout in ``ranks`` (modules luopan.checkpoint.shards and .ranks).
+   once, with its global layout in ``ranks`` (modules luopan.checkpoint.distributed.shards and .ranks).
 3. Each rank stores its chunks (packs, then an index file, durable); rank 0 commits one manifest once every rank
    reported success, then tells every rank the outcome. A rank that raised makes every rank raise (naming it); a
    rank that died makes the others' collectives fail at the group's timeout — never a hang, never a checkpoint.
@@ -24,8 +24,8 @@ from typing import Any
 
 import xxhash
 
-from .. import typed
-from ..errors import (
+from ... import typed
+from ...errors import (
     CheckpointNotFoundError,
     CollectiveError,
     CollectiveStorageError,
@@ -34,12 +34,12 @@ from ..errors import (
     StorageFullError,
     UsageError,
 )
-from ..format.canonical import canonical
-from ..format.names import check_run, check_step, join_path, manifest_key
-from ..tree import flatten
-from . import collectiveload
-from .collectiveload import RANK_PREFIX
-from .info import CheckpointInfo
+from ...format.canonical import canonical
+from ...format.names import check_run, check_step, join_path, manifest_key
+from ...tree import flatten
+from . import load as collectiveload
+from .load import RANK_PREFIX
+from ..info import CheckpointInfo
 from .parts import WRITTEN, Parts
 from .ranks import check_member, ranks_member
 from .shards import Placed, local_part, place_shards, unwrap

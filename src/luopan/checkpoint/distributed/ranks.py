@@ -1,5 +1,5 @@
 """The ``ranks`` member of a collective checkpoint's manifest (docs/format.md §10.5): the world size that saved it,
-the key paths kept per rank, and the global layout of sharded tensors. Written by luopan.checkpoint.collective;
+the key paths kept per rank, and the global layout of sharded tensors. Written by luopan.checkpoint.distributed.collective;
 checked here in full before a reader sizes a buffer by it (a damaged layout is a CorruptManifestError)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptManifestError, UsageError
-from ..format.limits import MAX_NDIM
-from ..format.manifest import Manifest
+from ...errors import CorruptManifestError, UsageError
+from ...format.limits import MAX_NDIM
+from ...format.manifest import Manifest
 
 _MAX_DIM = 2**48  # as the manifest schema bounds dimensions and offsets
 _MAX_WORLD = 2**24

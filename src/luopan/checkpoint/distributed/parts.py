@@ -9,20 +9,20 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .. import typed
-from ..errors import CheckpointExistsError, MissingPackError, UnsupportedValueError
-from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
-from ..format.chunking import chunk_spans
-from ..format.manifest import encode_metrics, parse_manifest, structure_fingerprint
-from ..format.names import check_run, check_step, manifest_key, pack_key
-from ..format.pack import ENGINE2_CODECS
-from ..repository.chunkwriter import ChunkWriter
-from ..tree import flatten
-from .commit import seal_checkpoint, write_latest_ref
-from .environment import code_version, environment
-from .info import CheckpointInfo
-from .kind import CHECKPOINTS
-from .saving import Saving, refuse_pinned
+from ... import typed
+from ...errors import CheckpointExistsError, MissingPackError, UnsupportedValueError
+from ...format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
+from ...format.chunking import chunk_spans
+from ...format.manifest import encode_metrics, parse_manifest, structure_fingerprint
+from ...format.names import check_run, check_step, manifest_key, pack_key
+from ...format.pack import ENGINE2_CODECS
+from ...repository.chunkwriter import ChunkWriter
+from ...tree import flatten
+from ..commit import seal_checkpoint, write_latest_ref
+from ..environment import code_version, environment
+from ..info import CheckpointInfo
+from ..kind import CHECKPOINTS
+from ..saving import Saving, refuse_pinned
 
 
 WRITTEN = ("new_chunks", "new_bytes", "stored_bytes", "new_packs")  # what each part wrote, summed into the stats
