@@ -16,7 +16,8 @@ import luopan.format
 from luopan.errors import CorruptPackError, UnsupportedFormatError
 from luopan.format.config import Compression, RepoConfig
 from luopan.format.pack import CODECS, ENGINE2_CODECS
-from luopan.repository import blobcodec, bytegroup, planes
+from luopan.format import bytegroup, planes
+from luopan.format import codecs as blobcodec
 from luopan.format.codecs import decode_blob, encode_blob
 
 torch = pytest.importorskip("torch")
