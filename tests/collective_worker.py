@@ -171,13 +171,13 @@ def _run(rank: int, world: int, op: str, repo_path: str, port: str, step: int) -
                 raise AssertionError("a sharded checkpoint loaded at another world size")
         elif op == "save-die":
             if rank == world - 1:
-                original = repo.store_entries
+                original = repo.checkpointing.store_entries
 
                 def die(tensors):  # noqa: ANN001, ANN202
                     os.kill(os.getpid(), signal.SIGKILL)
                     return original(tensors)
 
-                repo.store_entries = die
+                repo.checkpointing.store_entries = die
             try:
                 repo.save("run", step, state(rank, step), group=True)
             except luopan.CollectiveError as exc:

@@ -58,6 +58,7 @@ def make_state(step):
 CHILD_SRC = STATE_SRC + '''
 import sys
 import luopan
+import luopan.repo  # the library itself before "ready" (``import luopan`` alone loads its names on first use)
 
 path, run, chunk_size, pack_size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 print("ready", flush=True)  # the kill delay starts here: opening the repo can be hit too

@@ -180,6 +180,8 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
 
         return lambda d: parse_signature(json.dumps(d).encode(), "refs/signatures/run-a/00000100/x.json", "run-a",
                                          100)
+    if heading.startswith("## 14."):
+        return check_signature_object
     if heading.startswith("### 9.2"):
         return lambda d: parse_lock("locks/shared-0123456789abcdef.json", sealed(d))
     if heading.startswith("### 10.2"):
@@ -240,6 +242,22 @@ def check_patch_header(doc: dict[str, Any]) -> None:
         f.flush()
         with open_patch(f.name) as pf:
             assert parse_header(pf.header_bytes, pf.path).body_bytes == doc["body_bytes"] and pf.signature is None
+
+
+def check_signature_object(doc: dict[str, Any]) -> None:
+    """The §14 signature object: the members a real signature has, and a shape the verifier accepts (its placeholder
+    ``sig`` then fails to verify, rather than being refused as malformed)."""
+    import pytest
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from luopan.errors import SignatureError
+    from luopan.signing import SigningKey, TrustedKeys
+
+    private = Ed25519PrivateKey.generate()
+    assert set(SigningKey(private, doc["key_id"]).sign(b"data")) == set(doc)
+    trusted = TrustedKeys({doc["key_id"]: private.public_key()}, "the sample's key")
+    with pytest.raises(SignatureError, match="does not verify"):
+        trusted.verify(b"data", doc, "the sample")
 
 
 def check_ranks_member(doc: dict[str, Any]) -> None:

@@ -204,7 +204,8 @@ def rank_main(rank: int, world_size: int, repo_path: str, world: str, rendezvous
             rec.stop()  # checks the mirror: nobody else writes during this turn
             segments.append({"turn": turn, **dump_recorder(rec)})
 
-    store, commit = repo.store_entries, repo.commit_entries
+    kind = repo.checkpointing  # the checkpoint kind: a collective save calls its store_entries / commit_entries
+    store, commit = kind.store_entries, kind.commit_entries
 
     def store_in_turn(tensors):
         got, failed = None, None
@@ -219,10 +220,10 @@ def rank_main(rank: int, world_size: int, repo_path: str, world: str, rendezvous
             raise failed
         return got
 
-    repo.store_entries = store_in_turn
-    repo.commit_entries = lambda *a, **kw: recorded(world_size, commit, *a, **kw)
+    kind.store_entries = store_in_turn
+    kind.commit_entries = lambda *a, **kw: recorded(world_size, commit, *a, **kw)
     repo.save("run", 2, rank_state(rank, 2), group=True)
-    repo.store_entries, repo.commit_entries = store, commit
+    kind.store_entries, kind.commit_entries = store, commit
     dist.barrier()  # every rank returned before any closes the repository or writes its record
     repo.close()
     with open(out, "w") as f:
