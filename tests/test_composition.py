@@ -129,3 +129,38 @@ def test_one_chunk_pipeline_and_one_commit_sequence():
     assert kind_locks == ["index/api.py"]  # rollback moves the current ref, under the lock; it commits no manifest
     assert kind_puts == ["checkpoint/runs/record.py"]  # a run's record (context, never a manifest)
     assert private == []
+
+
+KINDS = ("checkpoint", "artifact", "journal", "index")
+
+
+def _imported_modules(path, tree):
+    """Absolute names of the modules ``path`` imports with ``from … import`` (relative ones resolved)."""
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                yield ".".join(base + ([node.module] if node.module else [])), node
+            else:
+                yield node.module or "", node
+
+
+def test_other_packages_use_a_kind_only_through_its_public_face():
+    """Outside a kind's package, nothing imports the kind's modules: only ``luopan.<kind>`` (its façade), and no
+    kind imports another kind at all (type-only imports included)."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        owner = rel.split("/")[0] if "/" in rel else None
+        for module, node in _imported_modules(path, ast.parse(path.read_text())):
+            parts = module.split(".")
+            if len(parts) < 2 or parts[0] != "luopan" or parts[1] not in KINDS or parts[1] == owner:
+                continue
+            if owner in KINDS:
+                offenders.append(f"{rel}:{node.lineno}: the {owner} kind imports {module}")
+            elif len(parts) > 2:
+                offenders.append(f"{rel}:{node.lineno}: imports {module} (use luopan.{parts[1]})")
+    assert offenders == []

@@ -470,7 +470,7 @@ def test_an_alias_with_a_delta_is_refused(tmp_path):
 def _delta_jobs_without_patch_jobs(repo, step):
     """The read jobs of entry "emb" of ``step`` with the patch's own jobs dropped, as when a failed batch cancels
     them before they run: the base chunks' workers must then read the patch themselves (never wait forever)."""
-    from luopan.checkpoint.read import check_rows, entry_jobs
+    from luopan.checkpoint.chunkplan import check_rows, entry_jobs
 
     m = repo.manifest("run", step)
     e = m.entry("emb")

@@ -76,8 +76,8 @@ __version__ = "0.1.0"
 # luopan.patch) never imports the repository. ``luopan.Repo`` is luopan.repo.Repo itself, not a copy.
 _EXPORTS = {
     "Artifact": "artifact", "ArtifactVersion": "artifact",
-    "CheckpointInfo": "checkpoint.info", "SaveHandle": "checkpoint.info", "VerifyReport": "checkpoint.info",
-    "DeltaPolicy": "checkpoint.rowdelta", "Run": "checkpoint.runs.record", "Shard": "checkpoint.distributed.shards",
+    "CheckpointInfo": "checkpoint", "SaveHandle": "checkpoint", "VerifyReport": "checkpoint",
+    "DeltaPolicy": "checkpoint", "Run": "checkpoint", "Shard": "checkpoint",
     "Repo": "repo", "init": "repo", "open": "repo",
     "Lineage": "repository.lineage", "ColdPolicy": "repository.tiersetup",
 }
@@ -85,10 +85,7 @@ _EXPORTS = {
 if TYPE_CHECKING:  # pragma: no cover  (for type checkers and IDEs: the same names, resolved statically)
     from . import policies, retention
     from .artifact import Artifact, ArtifactVersion
-    from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
-    from .checkpoint.rowdelta import DeltaPolicy
-    from .checkpoint.runs.record import Run
-    from .checkpoint.distributed.shards import Shard
+    from .checkpoint import CheckpointInfo, DeltaPolicy, Run, SaveHandle, Shard, VerifyReport
     from .repo import Repo, init, open
     from .repository.lineage import Lineage
     from .repository.tiersetup import ColdPolicy

@@ -43,7 +43,7 @@ MOVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 
 def _artifact_names(repo: Any) -> Callable[[], list[str]]:
-    from .artifact.api import artifact_names
+    from .artifact import artifact_names
 
     return lambda: artifact_names(repo)
 

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._compat import deprecated_alias
 from ._moved import given as _given, moved, set_attribute as _set, step_second as _step_second
-from .artifact.api import Artifact
-from .artifact.kind import ARTIFACTS_KIND
-from .checkpoint.api import Checkpoints
-from .checkpoint.info import CheckpointInfo, SaveHandle, VerifyReport
-from .checkpoint.kind import CHECKPOINTS
-from .checkpoint.rowdelta import DeltaPolicy
-from .checkpoint.runs.record import Run
+from .artifact import ARTIFACTS_KIND, Artifact
+from .checkpoint import CHECKPOINTS, CheckpointInfo, Checkpoints, DeltaPolicy, Run, SaveHandle, VerifyReport
 from .errors import UsageError
 from .format.config import Compression, RepoConfig
 from .format.manifest import Manifest
-from .index.kind import INDEX_KIND
-from .journal.api import Journal
-from .journal.kind import JOURNAL_KIND
+from .index import INDEX_KIND, IndexStore
+from .journal import JOURNAL_KIND, Journal
 from .repository.wal import DEFAULT_SEGMENT_BYTES
 from .repository.core import Repository
 from .repository.gc import DEFAULT_GRACE, DEFAULT_REPACK_BELOW, collect
@@ -33,9 +27,6 @@ from .repository.tiersetup import attach
 from .repository.usage import usage
 from .retention import Plan, Rules
 from .store import Store
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .index.api import IndexStore
 
 KINDS = (ARTIFACTS_KIND, CHECKPOINTS, JOURNAL_KIND, INDEX_KIND)  # the kind registry, in resolve() order
 
@@ -178,8 +169,6 @@ class Repo:
 
     def index(self, name: str, *, fsync: str = "always") -> IndexStore:
         """The vector index ``name`` of this repository (FAISS snapshots, docs/format.md §17)."""
-        from .index import IndexStore  # faiss-backed: loaded on first use
-
         return IndexStore(self.repository, name, fsync=fsync)
 
     # -- the whole repository ---------------------------------------------------------------------------------------

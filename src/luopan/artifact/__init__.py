@@ -1,5 +1,6 @@
 """Artifacts: versioned, content-addressed files and directories with lineage (datasets, eval outputs, configs)."""
 
 from .api import Artifact, ArtifactVersion, artifact_names
+from .kind import ARTIFACTS_KIND
 
-__all__ = ["Artifact", "ArtifactVersion", "artifact_names"]
+__all__ = ["ARTIFACTS_KIND", "Artifact", "ArtifactVersion", "artifact_names"]

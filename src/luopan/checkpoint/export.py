@@ -24,7 +24,7 @@ from ..repository.chunkio import ChunkRef, read_chunk, read_chunks
 from .deltaplan import zero_chunk
 from ..format.dtypes import SAFETENSORS_DTYPES
 from .._files import check_output_path
-from .read import PendingDelta, PendingXor, check_rows, chunk_refs, delta_jobs
+from .chunkplan import PendingDelta, PendingXor, check_rows, chunk_refs, delta_jobs
 
 def select_entries(m: Manifest, subtree: str | None) -> list[tuple[str, int]]:
     """(name in the export, entry index) for every tensor entry at or below ``subtree`` (all when None)."""

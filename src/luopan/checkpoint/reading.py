@@ -21,7 +21,7 @@ from ..tree import flatten, new_array, unflatten
 from . import catalog
 from .export import diff_manifests, export_safetensors
 from .info import CheckpointInfo
-from .read import check_rows, entry_jobs
+from .chunkplan import check_rows, entry_jobs
 
 
 class Reading(CheckpointBase):

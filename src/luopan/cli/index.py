@@ -8,7 +8,7 @@ import typer
 
 from ..errors import UsageError
 from ..index import IndexStore
-from ..index.kind import INDEX_KIND
+from ..index import INDEX_KIND
 from ..repo import Repo
 from .app import (
     MARKUP,

@@ -8,10 +8,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..artifact import artifact_names
-from ..checkpoint.info import CheckpointInfo
+from ..checkpoint import CheckpointInfo, diff_manifests, list_resumes
 from ..repo import Repo
-from ..checkpoint.export import diff_manifests
-from ..checkpoint.runs.resumes import list_resumes
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import manifest_key
 from .artifact import KindOpt, is_artifact_target, print_log

@@ -9,9 +9,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from ..checkpoint.checking import ALL, Subset, check as check_repo
-from ..checkpoint.kind import CHECKPOINTS
-from ..checkpoint.removal import remove
+from ..checkpoint import ALL, CHECKPOINTS, Subset, remove
+from ..checkpoint import check as check_repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import check_run
 from ..repo import Repo

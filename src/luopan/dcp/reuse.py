@@ -26,7 +26,7 @@ import threading
 import weakref
 from typing import Any
 
-from ..checkpoint.request import same_version
+from ..checkpoint import same_version
 from ..format.pack import BlobLocation
 from ..repository.packwriter import PackChecker
 

@@ -2,5 +2,6 @@
 (docs/format.md §17). faiss is imported on first use, never by ``import luopan``."""
 
 from .api import IndexStore
+from .kind import INDEX_KIND
 
-__all__ = ["IndexStore"]
+__all__ = ["INDEX_KIND", "IndexStore"]

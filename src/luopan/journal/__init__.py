@@ -4,6 +4,7 @@ repository (docs/format.md §16). ``from luopan.journal import Journal``."""
 from ..errors import CorruptJournalError, JournalBusyError, RecordNotFoundError
 from ..repository.wal import Recovery
 from .api import Journal
+from .kind import JOURNAL_KIND
 from .snapshots import Snapshot
 
-__all__ = ["Journal", "Snapshot", "Recovery", "CorruptJournalError", "JournalBusyError", "RecordNotFoundError"]
+__all__ = ["JOURNAL_KIND", "Journal", "Snapshot", "Recovery", "CorruptJournalError", "JournalBusyError", "RecordNotFoundError"]

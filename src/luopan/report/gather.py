@@ -167,7 +167,7 @@ def _pins(fn: Any) -> dict[int, dict[str, Any]]:
 
 def gather_run(repo: Any, name: str, list_resumes: Any = None) -> RunData:
     """A run's checkpoints (every manifest read once), eval logs, pins, latest, pruned steps and tiers."""
-    from ..checkpoint.kind import CHECKPOINTS
+    from ..checkpoint import CHECKPOINTS
     run = repo.run(name)
     steps = repo.steps(name)
     pins = _pins(run.pins)
@@ -239,7 +239,7 @@ def _mark_best(cps: list[Checkpoint]) -> None:
 
 
 def gather_artifact(repo: Any, name: str) -> list[ArtifactVersionData]:
-    from ..artifact.kind import ARTIFACTS_KIND
+    from ..artifact import ARTIFACTS_KIND
     art = repo.artifact(name)
     pins = _pins(art.pins)
     tiers = _tiers(repo, ARTIFACTS_KIND, name)
@@ -256,7 +256,7 @@ def gather_artifact(repo: Any, name: str) -> list[ArtifactVersionData]:
 
 
 def gather_journals(repo: Any) -> dict[str, list[SnapshotData]]:
-    from ..journal.kind import JOURNAL_KIND
+    from ..journal import JOURNAL_KIND
     from ..repository.pins import read_pins
     out: dict[str, list[SnapshotData]] = {}
     for name in JOURNAL_KIND.scan(repo.store, None, False).runs:
@@ -277,7 +277,7 @@ def gather_journals(repo: Any) -> dict[str, list[SnapshotData]]:
 
 
 def gather_indexes(repo: Any) -> dict[str, list[SnapshotData]]:
-    from ..index.kind import INDEX_KIND
+    from ..index import INDEX_KIND
     from ..index import IndexStore
     out: dict[str, list[SnapshotData]] = {}
     for name in INDEX_KIND.scan(repo.store, None, False).runs:
@@ -315,7 +315,7 @@ def lineage_edges(runs: list[RunData], artifacts: dict[str, list[ArtifactVersion
 def resumes_api() -> Any:
     """``luopan.checkpoint.runs.resumes.list_resumes`` when this luopan has it (restore times), else None."""
     try:
-        from ..checkpoint.runs.resumes import list_resumes  # type: ignore[import-not-found,unused-ignore]
+        from ..checkpoint import list_resumes
     except ImportError:
         return None
     return list_resumes

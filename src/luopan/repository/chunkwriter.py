@@ -201,6 +201,8 @@ class ChunkWriter:
     def abandon(self) -> None:
         """Stop; delete the packs this writer created unless an index file naming them may be visible (even if its
         put then failed, e.g. in the directory fsync: from then on they are left to garbage collection)."""
+        if self.abandoned:
+            return
         self.close()
         self.abandoned = True
         if self.index_key is None or not exists_quietly(self.store, self.index_key):

@@ -16,6 +16,8 @@ a ``restore()`` with the metrics the interrupted run journaled for them.
 
 from __future__ import annotations
 
+import logging
+
 import difflib
 import os
 import random
@@ -24,11 +26,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint.info import CheckpointInfo, SaveHandle
-from ..checkpoint.progress import SaveReport, logger
-from ..checkpoint.runs.resumes import ResumeCheck, RunJournal
-from ..checkpoint.read import chunk_refs, delta_jobs
-from ..checkpoint.runs.record import config_json
+from ..checkpoint import (CheckpointInfo, ResumeCheck, RunJournal, SaveHandle, SaveReport, chunk_refs, config_json,
+                          delta_jobs)
 from ..errors import IntegrityError
 from ..format.manifest import Manifest, manifest_rows
 from ..format.names import check_run, pack_key
@@ -41,6 +40,8 @@ from ..store.base import KeyNotFound
 from ..tree import flatten
 from .state import TrainingState, _world
 
+
+logger = logging.getLogger("luopan")  # the library's logger (luopan.checkpoint.progress logs there too)
 
 class CheckpointManager:
     """Checkpointing for a training loop. See the module docstring.

@@ -23,7 +23,7 @@ from ...format.names import join_path
 from ...repository.chunkio import PackSizes, read_chunks
 from ...tree import flatten, itemsize, new_array, unflatten
 from .ranks import Chunk, Ranks, Sharded, parse_ranks
-from ..read import check_rows, entry_jobs
+from ..chunkplan import check_rows, entry_jobs
 from ..reading import writable_bytes
 from .shards import unwrap
 

@@ -17,15 +17,12 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import JournalBusyError, LuopanError, UsageError
 from ..progress import logger
 from .journals import METRICS, RESUMES, journal_name
 
-if TYPE_CHECKING:  # a kind imports no other kind: journals are opened through the Repo (``repo.journal``)
-    from ...journal.api import Journal
-    from ...repo import Repo
 
 KEYS = ("step", "time", "restore_seconds", "matched", "first_divergent_step", "steps_compared")
 
@@ -114,7 +111,7 @@ def compared_names(check_metrics: tuple[str, ...] | None, original: dict[str, An
 _JOURNAL_ERRORS = (OSError, LuopanError, ValueError, TypeError)
 
 
-def list_resumes(repo: Repo | str | os.PathLike[str], run: str) -> list[dict[str, Any]]:
+def list_resumes(repo: Any, run: str) -> list[dict[str, Any]]:
     """The resumes of ``run``, oldest first: dicts with ``step`` (the step resumed from), ``time`` (ISO 8601),
     ``restore_seconds``, ``matched`` (True, False, or None while undecided or when too few steps were compared),
     ``first_divergent_step`` (int or None), ``steps_compared``, and ``detail`` (what differed, or None). ``repo``: an
@@ -149,16 +146,16 @@ def list_resumes(repo: Repo | str | os.PathLike[str], run: str) -> list[dict[str
 class RunJournal:
     """The metrics and resumes journals of one run, as a training loop writes them (see the module docstring)."""
 
-    def __init__(self, repo: Repo, run: str, check: ResumeCheck) -> None:
+    def __init__(self, repo: Any, run: str, check: ResumeCheck) -> None:
         self.repo, self.run, self.check = repo, run, check
-        self._metrics: Journal | None = None
+        self._metrics: Any = None  # a luopan.journal.Journal (opened through the Repo: a kind imports no other kind)
         self._off = False
         self._expected: dict[int, dict[str, Any]] = {}  # step -> the interrupted run's metrics, while undecided
         self._compared: set[int] = set()
         self._resume: tuple[int, int] | None = None  # (seq of the resume record, step resumed from), while undecided
         self._pending: tuple[int, dict[str, Any]] | None = None  # the step being logged (compared once it is done)
 
-    def _journal(self) -> Journal | None:
+    def _journal(self) -> Any:
         if self._metrics is None and not self._off:
             try:
                 self._metrics = self.repo.journal(journal_name(METRICS, self.run), "batch")
@@ -280,7 +277,7 @@ class RunJournal:
                 self._metrics = None
 
 
-def _logged_after(j: Journal, step: int) -> dict[int, dict[str, Any]]:
+def _logged_after(j: Any, step: int) -> dict[int, dict[str, Any]]:
     """step -> metrics the run logged for the steps after ``step``, as its latest life logged them (a resume marker
     drops what was logged after the step it resumed from: the steps were run again)."""
     out: dict[int, dict[str, Any]] = {}

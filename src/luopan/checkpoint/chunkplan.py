@@ -1,5 +1,5 @@
-"""Reading a checkpoint's entries back: chunk references of manifest entries, row deltas applied as their base chunks
-are read (chunks are read and verified by luopan.repository.chunkio)."""
+"""Which chunks a checkpoint entry's bytes come from (its read plan): the chunk references of manifest entries, and
+row deltas applied as their base chunks are read (chunks are read and verified by luopan.repository.chunkio)."""
 
 from __future__ import annotations
 
