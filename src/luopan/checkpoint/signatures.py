@@ -1,4 +1,4 @@
-"""Signed checkpoints (docs/format.md §9.3; keys §14): ``repo.sign(run, step, key)`` and
+"""Signed checkpoints (docs/format.md §9.3; keys §14): ``repo.checkpointing.sign(run, step, key)`` and
 ``repo.verify(..., trusted_keys=…)``.
 
 What a signature covers is the checkpoint's *content*, not its manifest file: the run, the step, the tree, the
