@@ -15,24 +15,14 @@ package, and ``pull`` imports no repository: ``publish``, which reads one, is lo
 
 from __future__ import annotations
 
+from .._lazy import lazy_names
 from .index import ChannelIndex, ChannelVersion, FileRef, PatchRef, parse_index
 from .pull import pull
 from .state import DeviceState, read_state
 
 
-def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
-    """``luopan.channel.publish`` on first use (it imports the repository)."""
-    if name == "publish":
-        from .publishing import publish
-
-        globals()["publish"] = publish
-        return publish
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+# ``luopan.channel.publish`` on first use (it imports the repository)
+__getattr__, __dir__ = lazy_names(__name__, {"publish": ".publishing"})
 
 __all__ = ["ChannelIndex", "ChannelVersion", "DeviceState", "FileRef", "PatchRef", "parse_index", "publish", "pull",
            "read_state"]

@@ -11,8 +11,7 @@ Names load on first use: importing one module of this package does not import th
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_names
 
 _EXPORTS = {
     "CHECKPOINTS": ".kind", "Checkpoints": ".api", "CheckpointInfo": ".info", "SaveHandle": ".info",
@@ -26,14 +25,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:  # PEP 562
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'luopan.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .._lazy import lazy_names
 from ..errors import CorruptSafetensorsError
 from ..format.config import DEFAULT_CHUNK_SIZE
 from ..signing import TrustedKeys
@@ -61,18 +62,7 @@ def fingerprint_file(path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHU
         os.close(fd)
 
 
-def __getattr__(name: str):  # noqa: ANN202 - module attribute hook (PEP 562)
-    """``luopan.patch.create`` on first use (it imports the repository; luopan.patch.creating)."""
-    if name == "create":
-        from .creating import create
-
-        globals()["create"] = create
-        return create
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+# ``luopan.patch.create`` on first use (it imports the repository; luopan.patch.creating)
+__getattr__, __dir__ = lazy_names(__name__, {"create": ".creating"})
 
 __all__ = ["FORMAT_VERSION", "apply", "create", "fingerprint_file", "read_header"]
