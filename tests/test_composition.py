@@ -66,7 +66,7 @@ def test_step_is_second_and_the_old_order_still_works_with_a_warning(tmp_path):
     with pytest.warns(DeprecationWarning, match="step comes second"):
         repo.export("a", str(tmp_path / "two.safetensors"), 2)
     assert (tmp_path / "two.safetensors").stat().st_size > 0
-    with pytest.raises(luopan.UsageError, match="needs a target"):
+    with pytest.raises(luopan.ArgumentTypeError, match="needs a target"):
         repo.load_into("a", 1)
     repo.close()
 
@@ -164,3 +164,32 @@ def test_other_packages_use_a_kind_only_through_its_public_face():
             elif len(parts) > 2:
                 offenders.append(f"{rel}:{node.lineno}: imports {module} (use luopan.{parts[1]})")
     assert offenders == []
+
+
+def test_the_transaction_keeps_the_crash_rule(tmp_path):
+    """Packs no index file names never outlive their transaction; once indexed, a failure later leaves them to gc
+    (another writer may already deduplicate against them), and nothing is learned from a failed transaction."""
+    from luopan.artifact import ARTIFACTS_KIND
+
+    repo = luopan.open(tmp_path / "r")
+    core = repo.repository
+
+    def packs():
+        return [k for k in core.store.list("packs/") if k.endswith(".pack")]
+
+    with core.transaction(ARTIFACTS_KIND, "x", None, what="test") as tx:  # chunks written, never indexed
+        chunks = tx.chunks(targets=1)
+        chunks.write([(0, memoryview(b"a" * 5000), None, None, None)])
+        assert len(packs()) == 1
+    assert packs() == [] and chunks.abandoned
+    with pytest.raises(RuntimeError, match="after the index"):
+        with core.transaction(ARTIFACTS_KIND, "x", None, what="test") as tx:
+            chunks = tx.chunks(targets=1)
+            chunks.write([(0, memoryview(b"b" * 5000), None, None, None)])
+            index = chunks.write_index()
+            raise RuntimeError("after the index")
+    assert len(packs()) == 1 and core.store.exists(index)
+    assert chunks.rows[0][0][0] in core.chunk_index()  # read back from its index file, not learned early
+    with pytest.raises(luopan.LuopanError, match="abandoned"):
+        chunks.write_index()
+    repo.close()

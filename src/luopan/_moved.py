@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
-import os
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .errors import UsageError
+from .errors import ArgumentTypeError
 
 # old name -> (new spelling shown to the user, how to reach it from a Repo)
 MOVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -25,9 +24,9 @@ MOVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "forget_damaged": ("repo.repository.forget_damaged(problems)", lambda r: r.repository.forget_damaged),
     "drain": ("repo.repository.drain()", lambda r: r.repository.drain),
     # tiering (a commit listener of the repository: repo.tier)
-    "wait_replicated": ("repo.tier.wait(timeout)", lambda r: r.repository.tiered().wait),
+    "wait_replicated": ("repo.tier.wait(timeout)", lambda r: lambda *a, **k: r.repository.tiered().wait(*a, **k)),
     "apply_cold_policy": ("repo.tier.apply_cold_policy(now, dry_run=...)",
-                          lambda r: r.repository.tiered().apply_cold_policy),
+                          lambda r: lambda *a, **k: r.repository.tiered().apply_cold_policy(*a, **k)),
     "replication_status": ("repo.checkpointing.replication_status(run)",
                            lambda r: r.checkpointing.replication_status),
     # the checkpoint kind (luopan.checkpoint.Checkpoints)
@@ -70,13 +69,7 @@ def set_attribute(obj: Any, name: str, value: Any) -> None:
 
 
 def _is_step(value: Any) -> bool:
-    if isinstance(value, (bool, str, bytes, os.PathLike)):
-        return False
-    try:
-        operator.index(value)  # an int, or a NumPy integer
-    except TypeError:
-        return False
-    return True
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # an int, or a NumPy integer
 
 
 def step_second(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -98,7 +91,7 @@ def step_second(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
                 args = args[1:]
             bound = signature.bind(self, run, *args, **kwargs)
             if bound.arguments.get(what) is None:
-                raise UsageError(f"repo.{verb} needs a {what}: repo.{verb}(run, step, {what}) or "
+                raise ArgumentTypeError(f"repo.{verb} needs a {what}: repo.{verb}(run, step, {what}) or "
                                  f"repo.{verb}(run, {what}={what})")
             return fn(*bound.args, **bound.kwargs)
 

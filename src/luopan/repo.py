@@ -61,7 +61,8 @@ class Repo:
     config = property(lambda self: self.repository.config)
     where = property(lambda self: self.repository.where)
     tier = property(lambda self: self.repository.tier)  # the tiering of a tiered repository, else None
-    delta_policy = property(lambda self: self.checkpointing.delta_policy)
+    delta_policy = property(lambda self: self.checkpointing.delta_policy, lambda self, v: _set(self.checkpointing,
+                                                                                                 "delta_policy", v))
     lock_timeout = property(lambda self: self.repository.lock_timeout, lambda self, v: _set(self.repository,
                                                                                               "lock_timeout", v))
     space_margin = property(lambda self: self.repository.space_margin, lambda self, v: _set(self.repository,

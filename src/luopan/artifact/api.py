@@ -101,7 +101,8 @@ class Artifact:
         meta = _json_object("metadata", metadata)
         collected = collect(what)
         with repo.transaction(ARTIFACTS_KIND, self.name, None, what=f"commit of artifact {self.name}",
-                              estimate=self._estimate(collected), format_version=ARTIFACT_FORMAT_VERSION) as tx:
+                              estimate=self._estimate(collected), purpose=f"commit artifact {self.name!r}",
+                              format_version=ARTIFACT_FORMAT_VERSION) as tx:
             stored = store_sources(tx.chunks(progress=progress, crash_label="artifact.chunk.written", copy_raw=True),
                                    collected.files)
             pack_ids: dict[str, int] = {}
@@ -124,7 +125,7 @@ class Artifact:
                           "new_chunks": stored.new_chunks, "new_bytes": stored.new_bytes,
                           "stored_bytes": stored.stored_bytes, "new_packs": stored.new_packs},
             }
-            tx.put_next(lambda version: self._seal(doc, version), (self.numbers() or [0])[-1] + 1)
+            tx.put_next(lambda version: self._seal(doc, version), (self.numbers() or [0])[-1] + 1, "commit again")
         key = tx.manifest_key
         assert key is not None
         return ArtifactVersion.from_doc(doc, key)

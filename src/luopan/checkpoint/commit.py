@@ -26,11 +26,11 @@ def seal_checkpoint(doc: dict[str, Any], run: str, step: int, compress: bool) ->
     return raw, compress_json(raw) if compress else raw
 
 
-def write_latest_ref(store: Store, run: str, step: int, raw: bytes) -> None:
+def write_latest_ref(store: Store, run: str, step: int, raw: bytes, stacklevel: int = 5) -> None:
     """Point the run's latest ref at the committed checkpoint. The ref is advisory (docs/format.md §9): failing to
     update it must not report the save as failed, or a caller would retry a step that already exists."""
     try:
         store.put(latest_ref_key(run), build_ref(run, step, sealed_checksum(raw)))
     except OSError as exc:
         warnings.warn(f"checkpoint {run!r} step {step} is committed, but its latest ref could not be updated "
-                      f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=5)
+                      f"({exc}); readers ignore a stale ref and the next save repairs it", stacklevel=stacklevel)

@@ -86,7 +86,6 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         self.sizes = PackSizes(ctx.store)
         self.skipped: set[int] = set()
         self.entries: list[dict[str, Any]] = []
-        self.itemsizes: list[int] = []  # per target: element width for the float codec (0: unknown)
         for leaf in req.leaves:
             e: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "dtype": leaf.dtype,
                                  "shape": list(leaf.shape), "nbytes": leaf.nbytes}

@@ -318,8 +318,9 @@ class Saving(CheckpointBase):
         record = self._start_record(plan.run) if plan.run not in self._recorded else None
         try:
             newest = self._newest_on_disk(plan.run)
-            context = WriteContext(self.store, self.config, self.chunk_index(),
-                                   lambda: tx.chunks(progress=progress.advance),
+            known = self.chunk_index()  # read once: every attempt's chunk writer shares it
+            context = WriteContext(self.store, self.config, known,
+                                   lambda: tx.chunks(progress=progress.advance, known=known),
                                    lambda data, overwrite: tx.put_manifest(data, overwrite=overwrite),
                                    self._previous_rows(plan.run), self._delta_tracks(plan.run, newest),
                                    self.delta_policy, self._bad_bases, started, stall, progress.advance,

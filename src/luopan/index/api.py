@@ -225,7 +225,7 @@ class IndexStore:
         chunk = min(repo.config.chunk_size, EXTENT_CHUNK_MAX)
         prev_entries = {e["path"]: e for e in previous["entries"]} if previous else {}
         with repo.transaction(INDEX_KIND, self.name, None, what=f"snapshot of index {self.name}", estimate=estimate,
-                              format_version=INDEX_FORMAT_VERSION) as tx:
+                              purpose=f"snapshot index {self.name!r}", format_version=INDEX_FORMAT_VERSION) as tx:
             written = write_arrays(tx.chunks(crash_label="index.chunk.written", copy_raw=True), arrays, prev_entries,
                                    chunk)
             doc: dict[str, Any] = {
@@ -238,7 +238,8 @@ class IndexStore:
                           "new_bytes": written.new_bytes, "chunks": written.chunks,
                           "new_chunks": written.new_chunks, "new_packs": written.new_packs},
             }
-            version, data = tx.put_next(lambda n: self._seal(doc, n), (self.versions() or [0])[-1] + 1)
+            version, data = tx.put_next(lambda n: self._seal(doc, n), (self.versions() or [0])[-1] + 1,
+                                        "snapshot again")
             self.last_manifest_checksum = sealed_checksum(data)
             log_start = self._oplog.next_seq()
             self._set_current(version)

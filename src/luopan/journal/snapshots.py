@@ -96,7 +96,7 @@ def store_snapshot(repo: Repository, name: str, seq: int, value: Any, metadata: 
     kind, data = encode_value(value)
     key = snapshot_key(name, seq)
     with repo.transaction(JOURNAL_KIND, name, seq, what=f"snapshot of journal {name}", estimate=len(data),
-                          format_version=JOURNAL_FORMAT_VERSION) as tx:
+                          purpose=f"snapshot of journal {name!r}", format_version=JOURNAL_FORMAT_VERSION) as tx:
         stored = store_chunks(tx.chunks(crash_label="journal.chunk.written", copy_raw=True), lambda: _cdc(data), 1)
         packs: dict[str, int] = {}
         rows = []

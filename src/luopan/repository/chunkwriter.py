@@ -28,6 +28,7 @@ import xxhash
 
 from .._crash import crashpoint
 from ..format import ENGINE2_FORMAT_VERSION
+from ..errors import LuopanError
 from ..format.config import RepoConfig
 from ..format.index import build_index
 from ..format.names import index_key
@@ -65,6 +66,7 @@ class ChunkWriter:
         self.rows: list[list[Row]] = [[] for _ in range(targets)]
         self.itemsizes: list[int] = [0] * targets  # element width of a target's bytes for the float codec (0: unknown)
         self.index_key: str | None = None
+        self.indexed = False  # the index file's put returned: the packs are the repository's from here
         self.abandoned = False
         self._closed = False
 
@@ -184,6 +186,8 @@ class ChunkWriter:
     def write_index(self) -> str | None:
         """Flush the last pack and store the one index file naming every pack this writer created (none: no file).
         From here the packs are the repository's: another writer may deduplicate against them."""
+        if self.abandoned:
+            raise LuopanError("this chunk writer was abandoned (its packs may be deleted): write the chunks again")
         try:
             self.writer.finish()
             self._locate()
@@ -195,6 +199,7 @@ class ChunkWriter:
         except BaseException:
             self.abandon()
             raise
+        self.indexed = True
         self.close()
         return self.index_key
 
@@ -205,7 +210,7 @@ class ChunkWriter:
             return
         self.close()
         self.abandoned = True
-        if self.index_key is None or not exists_quietly(self.store, self.index_key):
+        if not self.indexed and (self.index_key is None or not exists_quietly(self.store, self.index_key)):
             self.writer.discard()
 
     def close(self) -> None:

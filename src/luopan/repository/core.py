@@ -97,15 +97,17 @@ class Repository:
 
     # -- writing: the one transaction and chunk writer every kind commits through ------------------------------
     def transaction(self, kind: Kind, series: str, number: int | None, *, what: str, estimate: int | None = None,
-                    format_version: int | None = None, lock: bool = True) -> Transaction:
+                    purpose: str | None = None, format_version: int | None = None, lock: bool = True) -> Transaction:
         """``with repo.transaction(kind, series, number, what=...) as tx:`` — preflight, format bump, shared lock,
         chunk writer (``tx.chunks()``), manifest put, commit listeners (luopan.repository.transaction)."""
-        return Transaction(self, kind, series, number, what=what, estimate=estimate, format_version=format_version,
-                           lock=lock)
+        return Transaction(self, kind, series, number, what=what, estimate=estimate, purpose=purpose,
+                           format_version=format_version, lock=lock)
 
-    def chunk_writer(self, **options: Any) -> ChunkWriter:
-        """A chunk writer against this repository's chunk index (prefer ``transaction(...).chunks()``)."""
-        return ChunkWriter(self.store, self.config, self.chunk_index(), self._intact_packs, **options)
+    def chunk_writer(self, *, known: dict[str, BlobLocation] | None = None, **options: Any) -> ChunkWriter:
+        """A chunk writer against this repository's chunk index (``known``: that index, already read), with this
+        process's memory of intact packs (prefer ``transaction(...).chunks()``)."""
+        return ChunkWriter(self.store, self.config, self.chunk_index() if known is None else known,
+                           self._intact_packs, **options)
 
     def pack_checker(self) -> PackChecker:
         """Which stored chunks a write may reference (their pack present and intact), with this process's memory of

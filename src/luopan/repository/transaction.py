@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, LuopanError
 from ..store.base import retract
 from .chunkwriter import ChunkWriter
 from .kinds import Kind, Opened
@@ -49,9 +49,11 @@ class Transaction:
     """One write of one manifest of ``kind`` (``series``, ``number``; number None: chosen by ``put_next``)."""
 
     def __init__(self, repository: Writable, kind: Kind, series: str, number: int | None, *, what: str,
-                 estimate: int | None = None, format_version: int | None = None, lock: bool = True) -> None:
+                 estimate: int | None = None, purpose: str | None = None, format_version: int | None = None,
+                 lock: bool = True) -> None:
         self.repository, self.kind, self.series, self.number = repository, kind, series, number
         self.what, self.estimate, self.format_version, self.lock = what, estimate, format_version, lock
+        self.purpose = purpose or what  # how the space preflight names the write ("commit artifact 'ds'")
         self.committed = False  # a manifest was put by this transaction
         self.manifest_key: str | None = None
         self._writers: list[ChunkWriter] = []
@@ -60,7 +62,7 @@ class Transaction:
     def __enter__(self) -> Transaction:
         repo = self.repository
         if self.estimate is not None:
-            refuse(repo, repo.space_margin, self.estimate, self.what)
+            refuse(repo, repo.space_margin, self.estimate, self.purpose)
         if self.format_version is not None:
             repo.require_format(self.format_version)
         with contextlib.ExitStack() as stack:
@@ -75,20 +77,29 @@ class Transaction:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         try:
             for writer in self._writers:
-                if exc_type is None and not writer.abandoned:
-                    self.repository.learned(writer.new_locations, writer.index_key)
-                else:
+                if exc_type is not None or (writer.index_key is None and writer.new_packs):
                     writer.abandon()  # packs no index file names are deleted (the crash rule, once)
+                elif not writer.abandoned:
+                    self._learn(writer)
         finally:
             self._stack.close()
         if exc_type is None and self.committed:
             self.repository.notify_committed(self.kind, self.series, self.number)
 
+    def _learn(self, writer: ChunkWriter) -> None:
+        """Remember the chunks a committed write stored. Only deduplication depends on it, never the commit: the next
+        ``chunk_index()`` reads their index file anyway, so a store that cannot list it now fails nothing."""
+        try:
+            self.repository.learned(writer.new_locations, writer.index_key)
+        except (OSError, LuopanError):
+            pass
+
     def chunks(self, *, progress: Callable[[int], Any] | None = None, crash_label: str = "chunk.written",
-               copy_raw: bool = False, targets: int = 0) -> ChunkWriter:
-        """A chunk writer deduplicating against the repository's chunk index (see ChunkWriter)."""
+               copy_raw: bool = False, targets: int = 0, known: dict[str, Any] | None = None) -> ChunkWriter:
+        """A chunk writer deduplicating against the repository's chunk index (see ChunkWriter); ``known``: that
+        index, when the caller already holds it (saves a listing of the index files)."""
         writer = self.repository.chunk_writer(progress=progress, crash_label=crash_label, copy_raw=copy_raw,
-                                              targets=targets)
+                                              targets=targets, known=known)
         self._writers.append(writer)
         return writer
 
@@ -111,7 +122,7 @@ class Transaction:
         self.committed, self.manifest_key = True, key
         return True
 
-    def put_next(self, seal: Callable[[int], bytes], start: int) -> tuple[int, bytes]:
+    def put_next(self, seal: Callable[[int], bytes], start: int, again: str = "write again") -> tuple[int, bytes]:
         """Commit ``seal(n)`` as the next free number from ``start`` (put_if_absent: one is never overwritten);
         returns (number, data). A number that lives only on another tier is still seen by ``exists``."""
         store, number = self.repository.store, start
@@ -130,4 +141,4 @@ class Transaction:
                 return number, data
             number += 1  # another writer committed this number meanwhile
         raise CheckpointExistsError(f"{self.kind.series_noun} {self.series!r}: {COMMIT_ATTEMPTS} versions were "
-                                    "committed by others during this write; write again")
+                                    f"committed by others during this write; {again}")

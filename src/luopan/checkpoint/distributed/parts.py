@@ -133,5 +133,5 @@ class Parts(Saving):
             if not tx.put_manifest(data, overwrite=overwrite):
                 raise CheckpointExistsError(f"run {run!r} already has a checkpoint at step {step}; pass "
                                             "overwrite=True to replace it")
-            write_latest_ref(self.store, run, step, raw)
+            write_latest_ref(self.store, run, step, raw, stacklevel=3)  # names commit_entries' caller
         return CheckpointInfo.from_manifest(parsed, key)
