@@ -182,6 +182,21 @@ def test_run_at_step_works(ws, name):
     assert "deprecated" not in res.output
 
 
+def test_the_step_of_a_reference_is_the_one_used(ws):
+    """RUN@STEP names that step, not the latest: what each command did is checked in the repository."""
+    assert json.loads(_ok(_argv(ws, ["show", "run-a@1", "--json"])).stdout)["step"] == 1
+    assert json.loads(_ok(_argv(ws, ["export", "run-a@1", "-o", "{ws}/one.safetensors", "--json"])).stdout)["step"] == 1
+    _ok(_argv(ws, ["pin", "run-a@1"]))
+    _ok(_argv(ws, ["sign", "run-a@1", "--key", "{key}"]))
+    with luopan.open(ws / "repo") as r:
+        assert set(r.run("run-a").pins()) == {1}
+        signed = {k.split("/")[-2] for k in r.store.list("refs/signatures/run-a/")}
+        assert signed == {"00000001"}, signed
+    _ok(_argv(ws, ["rm", "run-a@2", "--force"]))
+    with luopan.open(ws / "repo") as r:
+        assert r.steps("run-a") == [1]
+
+
 def test_run_alone_is_the_latest_step(ws):
     assert json.loads(_ok(_argv(ws, ["show", "run-a", "--json"])).stdout)["step"] == 2
     assert json.loads(_ok(_argv(ws, ["export", "run-a", "-o", "{ws}/y.safetensors", "--json"])).stdout)["step"] == 2

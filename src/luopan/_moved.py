@@ -64,10 +64,6 @@ def given(**options: Any) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not defaults.get(k) and v is not None}
 
 
-def set_attribute(obj: Any, name: str, value: Any) -> None:
-    setattr(obj, name, value)
-
-
 def _is_step(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # an int, or a NumPy integer
 

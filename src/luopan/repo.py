@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._compat import deprecated_alias
-from ._moved import given as _given, moved, set_attribute as _set, step_second as _step_second
+from ._moved import given as _given, moved, step_second as _step_second
 from .artifact import ARTIFACTS_KIND, Artifact
 from .checkpoint import CHECKPOINTS, CheckpointInfo, Checkpoints, DeltaPolicy, Run, SaveHandle, VerifyReport
 from .errors import UsageError
@@ -27,6 +27,12 @@ from .repository.tiersetup import attach
 from .repository.usage import usage
 from .retention import Plan, Rules
 from .store import Store
+
+def _through(part: str, name: str) -> property:
+    """A settable attribute of Repo kept by one of its parts (``repository`` or ``checkpointing``)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value))
+
 
 KINDS = (ARTIFACTS_KIND, CHECKPOINTS, JOURNAL_KIND, INDEX_KIND)  # the kind registry, in resolve() order
 
@@ -61,16 +67,11 @@ class Repo:
     config = property(lambda self: self.repository.config)
     where = property(lambda self: self.repository.where)
     tier = property(lambda self: self.repository.tier)  # the tiering of a tiered repository, else None
-    delta_policy = property(lambda self: self.checkpointing.delta_policy, lambda self, v: _set(self.checkpointing,
-                                                                                                 "delta_policy", v))
-    lock_timeout = property(lambda self: self.repository.lock_timeout, lambda self, v: _set(self.repository,
-                                                                                              "lock_timeout", v))
-    space_margin = property(lambda self: self.repository.space_margin, lambda self, v: _set(self.repository,
-                                                                                              "space_margin", v))
-    read_check = property(lambda self: self.checkpointing.read_check, lambda self, v: _set(self.checkpointing,
-                                                                                             "read_check", v))
-    progress = property(lambda self: self.checkpointing.progress, lambda self, v: _set(self.checkpointing,
-                                                                                         "progress", v))
+    delta_policy = _through("checkpointing", "delta_policy")
+    lock_timeout = _through("repository", "lock_timeout")
+    space_margin = _through("repository", "space_margin")
+    read_check = _through("checkpointing", "read_check")
+    progress = _through("checkpointing", "progress")
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
     def save(self, run: str, step: int, state: Any, *, metrics: dict[str, Any] | None = None,

@@ -110,7 +110,7 @@ class Artifact:
             for src, rows in zip(collected.files, stored.rows):
                 chunks = []
                 for h, size, x in rows:
-                    loc = stored.locations[h]
+                    loc = stored.location(h)
                     chunks.append([h, pack_ids.setdefault(loc.pack, len(pack_ids)), loc.offset, loc.length, size,
                                    loc.codec, x])
                 entries.append({"path": src.path, "type": "file", "mode": src.mode,

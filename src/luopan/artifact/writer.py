@@ -9,7 +9,7 @@ from typing import BinaryIO
 from pyfastcdc import FastCDC
 
 from ..repository.arenas import BufferPool
-from ..repository.chunkstore import Stored, store_chunks
+from ..repository.chunkstore import store_chunks
 from ..repository.chunkwriter import ChunkWriter
 from .sources import Source
 
@@ -66,7 +66,7 @@ def cdc_chunks(stream: BinaryIO, size_hint: int | None = None, pool: BufferPool 
             yield view[off : off + length]
 
 
-def store_sources(chunks: ChunkWriter, sources: list[Source]) -> Stored:
+def store_sources(chunks: ChunkWriter, sources: list[Source]) -> ChunkWriter:
     """Write the chunks of every file source the repository lacks through ``chunks`` (packs, then one index file)."""
     buffers = BufferPool()
 

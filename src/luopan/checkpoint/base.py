@@ -7,7 +7,6 @@ from typing import Any
 
 from ..format.config import RepoConfig
 from ..format.pack import BlobLocation
-from ..repository.chunkwriter import ChunkWriter
 from ..repository.core import Repository
 from ..repository.kinds import Kind
 from ..repository.packwriter import PackChecker
@@ -62,12 +61,6 @@ class CheckpointBase:
     def pack_checker(self) -> PackChecker:
         return self.repository.pack_checker()
 
-    def chunk_writer(self, **options: Any) -> ChunkWriter:
-        return self.repository.chunk_writer(**options)
-
-    def learned(self, locations: dict[str, BlobLocation], index_key: str | None) -> None:
-        self.repository.learned(locations, index_key)
-
     def forget_damaged(self, problems: list[Any]) -> None:
         self.repository.forget_damaged(problems)
 
@@ -76,9 +69,6 @@ class CheckpointBase:
 
     def read_manifest(self, kind: Kind, series: str, number: int) -> dict[str, Any]:
         return self.repository.read_manifest(kind, series, number)
-
-    def require_format(self, version: int) -> None:
-        self.repository.require_format(version)
 
     def drain(self) -> None:
         """Wait for this kind's work in flight (its background saves)."""

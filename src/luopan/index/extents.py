@@ -9,14 +9,13 @@ import bisect
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
 from ..format.manifest import Row
-from ..format.pack import BlobLocation
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk, read_chunks
 from ..repository.chunkstore import store_chunks
 from ..repository.chunkwriter import ChunkWriter
@@ -43,8 +42,6 @@ class Written:
     new_chunks: int = 0
     new_packs: int = 0
     chunks: int = 0
-    new_locations: dict[str, BlobLocation] = field(default_factory=dict)
-    index_key: str | None = None
 
 
 def as_bytes(arr: np.ndarray) -> memoryview:
@@ -174,7 +171,6 @@ def write_arrays(chunks: ChunkWriter, arrays: list[tuple[str, np.ndarray | Gathe
     out.packs = list(pack_ids)
     out.new_bytes, out.stored_bytes = stored.new_bytes, stored.stored_bytes
     out.new_chunks, out.new_packs = stored.new_chunks, stored.new_packs
-    out.new_locations, out.index_key = stored.new_locations, stored.index_key
     return out
 
 

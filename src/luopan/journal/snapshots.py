@@ -101,7 +101,7 @@ def store_snapshot(repo: Repository, name: str, seq: int, value: Any, metadata: 
         packs: dict[str, int] = {}
         rows = []
         for h, size, x in stored.rows[0]:
-            loc = stored.locations[h]
+            loc = stored.location(h)
             rows.append([h, packs.setdefault(loc.pack, len(packs)), loc.offset, loc.length, size, loc.codec, x])
         doc: dict[str, Any] = {
             "format_version": JOURNAL_FORMAT_VERSION, "kind": "journal", "name": name, "seq": seq,

@@ -6,29 +6,13 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.pack import BlobLocation
 from .chunkwriter import ChunkWriter
 
 AHEAD = 64  # chunks cut ahead of hashing
 INLINE_BYTES = 64 << 10  # smaller chunks are hashed on the calling thread (a handoff costs more)
 GROUP_BYTES = 8 << 20
-
-
-@dataclass
-class Stored:
-    """The chunks of each source, and what the write added to the repository."""
-
-    rows: list[list[tuple[str, int, str]]]  # per source: (hash, size, xxh3) of each chunk, in order
-    locations: dict[str, BlobLocation]  # every chunk the rows name
-    new_locations: dict[str, BlobLocation] = field(default_factory=dict)
-    index_key: str | None = None
-    new_chunks: int = 0
-    new_bytes: int = 0
-    stored_bytes: int = 0
-    new_packs: int = 0
 
 
 class ahead:  # noqa: N801  (used like a generator)
@@ -86,10 +70,11 @@ class ahead:  # noqa: N801  (used like a generator)
 
 
 def store_chunks(chunks: ChunkWriter, produce: Callable[[], Iterable[tuple[int, memoryview]]],
-                 nsources: int) -> Stored:
+                 nsources: int) -> ChunkWriter:
     """Store the chunks of ``nsources`` sources through ``chunks`` (a ChunkWriter with no targets yet), then its index
     file: ``produce()`` yields ``(source index, chunk bytes)`` in order, run on a thread of its own a few chunks ahead
-    of hashing. ``Stored.rows[i]`` lists source ``i``'s chunks. The crash rule is the chunk writer's."""
+    of hashing. Returns ``chunks``, indexed: ``chunks.rows[i]`` lists source ``i``'s chunks, ``chunks.location(h)``
+    says where each is. The crash rule is the chunk writer's."""
     for _ in range(nsources):
         chunks.target()
     items = ahead(lambda: ((i, view, None, None, None) for i, view in produce()), AHEAD)
@@ -97,7 +82,5 @@ def store_chunks(chunks: ChunkWriter, produce: Callable[[], Iterable[tuple[int, 
         chunks.write(items, inline_bytes=INLINE_BYTES, group_bytes=GROUP_BYTES)
     finally:
         items.close()
-    index = chunks.write_index()
-    rows = chunks.rows[:nsources]
-    return Stored(rows, {h: chunks.location(h) for r in rows for h, _s, _x in r}, dict(chunks.new_locations), index,
-                  chunks.new_chunks, chunks.new_bytes, chunks.stored_bytes, chunks.new_packs)
+    chunks.write_index()
+    return chunks

@@ -108,19 +108,7 @@ class Transaction:
         it first: the kind decides what that means), or replace it (``overwrite``). A put that raised is taken back:
         the manifest may be visible but not durable, and a failed write must leave none."""
         assert self.number is not None
-        key = self.kind.manifest_key(self.series, self.number)
-        store = self.repository.store
-        try:
-            if overwrite:
-                store.put(key, data)
-            elif not store.put_if_absent(key, data):
-                return False
-        except OSError:
-            if not overwrite:
-                retract(store, key, data)
-            raise
-        self.committed, self.manifest_key = True, key
-        return True
+        return self._put(self.number, data, overwrite)
 
     def put_next(self, seal: Callable[[int], bytes], start: int, again: str = "write again") -> tuple[int, bytes]:
         """Commit ``seal(n)`` as the next free number from ``start`` (put_if_absent: one is never overwritten);
@@ -130,15 +118,23 @@ class Transaction:
             while store.exists(self.kind.manifest_key(self.series, number)):
                 number += 1
             data = seal(number)
-            key = self.kind.manifest_key(self.series, number)
-            try:
-                placed = store.put_if_absent(key, data)
-            except OSError:
-                retract(store, key, data)  # a commit that fails leaves no version behind
-                raise
-            if placed:
-                self.number, self.committed, self.manifest_key = number, True, key
+            if self._put(number, data, False):
                 return number, data
             number += 1  # another writer committed this number meanwhile
         raise CheckpointExistsError(f"{self.kind.series_noun} {self.series!r}: {COMMIT_ATTEMPTS} versions were "
                                     f"committed by others during this write; {again}")
+
+    def _put(self, number: int, data: bytes, overwrite: bool) -> bool:
+        key = self.kind.manifest_key(self.series, number)
+        store = self.repository.store
+        try:
+            if overwrite:
+                store.put(key, data)
+            elif not store.put_if_absent(key, data):
+                return False
+        except OSError:
+            if not overwrite:
+                retract(store, key, data)  # a commit that fails leaves no manifest behind
+            raise
+        self.number, self.committed, self.manifest_key = number, True, key
+        return True
