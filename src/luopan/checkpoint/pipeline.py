@@ -9,6 +9,8 @@ from datetime import datetime, timezone
 from collections.abc import Iterator
 from typing import Any
 
+import xxhash
+
 from .. import typed
 from ..errors import CheckpointExistsError, IntegrityError, LuopanError
 from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION
@@ -17,7 +19,7 @@ from ..format.manifest import Row, encode_metrics, structure_fingerprint, uses_n
 from ..format.names import manifest_key
 from ..format.codecs import encode_blob
 from ..repository.chunkwriter import ChunkWriter, Item
-from ..repository.parallel import WORKERS
+from ..repository.parallel import shared_pool
 from .commit import seal_checkpoint, write_latest_ref
 from .environment import code_version, environment
 from .grouping import GroupStore
@@ -31,6 +33,9 @@ from .rowdelta import Decision
 # Chunks below this are hashed on the calling thread: handing a small chunk to a worker costs more than hashing
 # it (a LoRA re-save of 2,000 small tensors spent 0.18 s waiting on worker handoffs).
 INLINE_BYTES = 256 << 10
+# An entry the codec did not pay for in the previous save is stored raw without asking it again, except about
+# once in this many saves (_stored_plainly).
+RECHECK_EVERY = 16
 # Larger chunks go to a worker up to this many bytes per handoff (fewer handoffs; memory ahead stays bounded).
 GROUP_BYTES = 16 << 20
 
@@ -66,6 +71,21 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
     raise LuopanError(f"run {req.run!r} step {req.step}: delta bases kept failing to read; run `luopan verify`")
 
 
+def _stored_plainly(prev: dict[str, Any] | None, path: str, step: int) -> bool:
+    """Whether this entry's chunks are stored as they are without asking the codec: the codec did not pay for any
+    of them in the previous save (every row of its previous entry stored raw; docs/format.md §6.1). Asking costs a
+    sample of each chunk (~0.1 ms of Python and NumPy per chunk, whatever its size: 0.3-0.4 s of a LoRA re-save of
+    2,048 small changed tensors that stores 17-31 MB). The codec is asked again for about one save in
+    RECHECK_EVERY of each such entry (spread over entries and steps), so content that starts compressing is
+    noticed."""
+    if not prev or "xor" in prev or "delta" in prev:
+        return False
+    rows = prev.get("chunks")
+    if not rows or any(r[5] != "none" for r in rows):
+        return False
+    return xxhash.xxh32_intdigest(f"{path}\0{step}".encode()) % RECHECK_EVERY != 0
+
+
 class _CheckpointWriter(GroupStore, TrackUpdates):
     """One save in four stages: reuse unchanged entries, store the chunks the store lacks (packs, then the index
     file), build the manifest, commit it (then the ref)."""
@@ -86,6 +106,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         self.sizes = PackSizes(ctx.store)
         self.skipped: set[int] = set()
         self.entries: list[dict[str, Any]] = []
+        coding = ctx.config.compression.codec != "none"
         for leaf in req.leaves:
             e: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "dtype": leaf.dtype,
                                  "shape": list(leaf.shape), "nbytes": leaf.nbytes}
@@ -94,7 +115,8 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
             if leaf.alias_of is not None:
                 e["alias_of"] = leaf.alias_of
             self.entries.append(e)
-            chunks.target(leaf.itemsize)
+            chunks.target(leaf.itemsize, plain=coding and _stored_plainly(ctx.previous.get(leaf.path), leaf.path,
+                                                                          req.step))
 
     # the chunk writer's state, by the names the save's stages use
     rows = property(lambda self: self.chunks.rows)
@@ -249,9 +271,8 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
     def store_chunks(self) -> None:
         """Hash every chunk on both cores and write those the store lacks into packs (their index file follows the
         manifest's entry groups: ``store_index``). On failure the packs written are deleted again."""
-        with ThreadPoolExecutor(WORKERS, "luopan-plan") as pool:  # row-delta planning compares rows on it
-            self.chunks.write(self._items(pool), prepare=self._xor, inline_bytes=INLINE_BYTES,
-                              group_bytes=GROUP_BYTES)
+        pool = shared_pool("plan")  # row-delta planning compares rows on it
+        self.chunks.write(self._items(pool), prepare=self._xor, inline_bytes=INLINE_BYTES, group_bytes=GROUP_BYTES)
 
     def store_index(self, doc: dict[str, Any]) -> dict[str, Any]:
         """Store the manifest's entry groups the store lacks (§8.5; a grouped manifest only), then the index file

@@ -20,7 +20,6 @@ them over as items ``(target, bytes, reuse, xxh3, extra)``:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import blake3
@@ -37,7 +36,7 @@ from ..store.base import Store
 from .arenas import Arenas
 from ..format.codecs import encode_blob
 from .packwriter import PackChecker, PackWriter, exists_quietly
-from .parallel import WORKERS, ordered_map
+from .parallel import WORKERS, ordered_map, shared_pool
 
 # (target, chunk bytes, reuse (blake3, size, xxh3) or None, precomputed xxh3 or None, delta item for prepare or None)
 Item = tuple[int, memoryview, "tuple[str, int, str] | None", "str | None", Any]
@@ -65,16 +64,21 @@ class ChunkWriter:
         self.stored_by_target: dict[int, int] = {}  # bytes of new blobs per target
         self.rows: list[list[Row]] = [[] for _ in range(targets)]
         self.itemsizes: list[int] = [0] * targets  # element width of a target's bytes for the float codec (0: unknown)
+        # targets whose chunks are stored as they are without asking the codec (it did not pay for them last time)
+        self.plain: set[int] = set()
         self.index_key: str | None = None
         self.indexed = False  # the index file's put returned: the packs are the repository's from here
         self.abandoned = False
         self._closed = False
 
     # -- targets and locations ------------------------------------------------------------------------------------
-    def target(self, itemsize: int = 0) -> int:
-        """A new row list; returns its number."""
+    def target(self, itemsize: int = 0, plain: bool = False) -> int:
+        """A new row list; returns its number. ``plain``: store its chunks as they are, without trying the
+        repository's codec (the caller knows it did not pay for this content last time)."""
         self.rows.append([])
         self.itemsizes.append(itemsize)
+        if plain:
+            self.plain.add(len(self.rows) - 1)
         return len(self.rows) - 1
 
     def reusable(self, h: str) -> bool:
@@ -99,27 +103,28 @@ class ChunkWriter:
 
     # -- the pipeline ---------------------------------------------------------------------------------------------
     def digest(self, view: memoryview, reuse: Row | None, x: str | None, itemsize: int = 0,
-               fast: bool = False) -> tuple[str, memoryview, int, str, str]:
-        """(blake3, bytes to store, raw size, codec, xxh3) of one chunk; encoded only when the repository lacks it."""
+               fast: bool = False, plain: bool = False) -> tuple[str, memoryview, int, str, str]:
+        """(blake3, bytes to store, raw size, codec, xxh3) of one chunk; encoded only when the repository lacks it
+        (and not ``plain``)."""
         if x is None:
             x = xxhash.xxh3_128_hexdigest(view)  # ~2x BLAKE3's speed here: the cheap change detector
         if reuse is not None and reuse[2] == x and reuse[1] == len(view):
             h = reuse[0]  # unchanged since this process's previous write: its content address stands (§5.1)
         else:
             h = blake3.blake3(view).hexdigest()
-        if h in self.known:
+        if h in self.known or plain:
             return h, view, len(view), "none", x  # deduplicated (unless its pack is gone: then stored below)
         codec, stored = encode_blob(view, self.config.compression, itemsize, fast)
         return h, stored, len(view), codec, x
 
     def _work(self, prepare: Callable[[Item], memoryview] | None) -> Callable[[Item], tuple[Any, ...]]:
-        itemsizes = self.itemsizes
+        itemsizes, plain = self.itemsizes, self.plain
 
         def work(item: Item) -> tuple[Any, ...]:
             t, view, reuse, x, extra = item
             itemsize = itemsizes[t] if t < len(itemsizes) else 0
             if extra is None or prepare is None:
-                return (t, *self.digest(view, reuse, x, itemsize))
+                return (t, *self.digest(view, reuse, x, itemsize, plain=t in plain))
             view = prepare(item)  # a delta item, in this thread's scratch: copied when it is kept
             h, stored, size, codec, x = self.digest(view, reuse, x, itemsize, fast=True)
             return t, h, memoryview(bytes(stored)) if codec == "none" else stored, size, codec, x
@@ -134,23 +139,23 @@ class ChunkWriter:
         inline = (lambda item: len(item[1]) < inline_bytes) if inline_bytes else None
         group = (lambda item: len(item[1])) if group_bytes else None
         try:
-            with ThreadPoolExecutor(WORKERS, "luopan-chunks") as pool:
-                for t, h, stored, size, codec, x in ordered_map(pool, self._work(prepare), items, window=2 * WORKERS,
-                                                               inline=inline, group=group, group_size=group_bytes):
-                    rows[t].append((h, size, x))
-                    if progress is not None:
-                        progress(size)
-                    if h in new:
+            pool = shared_pool("chunks")
+            for t, h, stored, size, codec, x in ordered_map(pool, self._work(prepare), items, window=2 * WORKERS,
+                                                           inline=inline, group=group, group_size=group_bytes):
+                rows[t].append((h, size, x))
+                if progress is not None:
+                    progress(size)
+                if h in new:
+                    continue
+                if h in known:
+                    if self.checker.reusable(known[h]):
                         continue
-                    if h in known:
-                        if self.checker.reusable(known[h]):
-                            continue
-                        del known[h]  # stale index entry: store the chunk again
-                    if codec == "none" and self._arenas is not None:
-                        stored = self._arenas.copy(stored)
-                    self._add(h, stored, size, codec)
-                    self.stored_by_target[t] = self.stored_by_target.get(t, 0) + len(stored)
-                    crashpoint(self.crash_label)
+                    del known[h]  # stale index entry: store the chunk again
+                if codec == "none" and self._arenas is not None:
+                    stored = self._arenas.copy(stored)
+                self._add(h, stored, size, codec)
+                self.stored_by_target[t] = self.stored_by_target.get(t, 0) + len(stored)
+                crashpoint(self.crash_label)
             writer.finish()
         except BaseException:
             self.abandon()

@@ -144,8 +144,11 @@ class Repository:
         return self._known
 
     def learned(self, locations: dict[str, BlobLocation], index_key: str | None) -> None:
-        """Remember the chunks a write of this process just stored (and the index file naming them)."""
-        self.chunk_index().update(locations)
+        """Remember the chunks a write of this process just stored (and the index file naming them). Lists nothing:
+        before this process's first ``chunk_index()`` there is nothing to add to (that call reads every index file)."""
+        if self._known is None:
+            return
+        self._known.update(locations)
         if index_key is not None:
             self._indexes_seen.add(index_key)  # already known; re-reading it would undo verify's drops
 

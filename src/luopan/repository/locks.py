@@ -24,6 +24,7 @@ another host, so it blocks until someone breaks it (``luopan unlock``, ``break_l
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import random
 import secrets
@@ -33,11 +34,12 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import LockedError, UsageError
+from ..errors import LockedError, StorageError, UsageError, os_remedy
 from ..format import BASE_FORMAT_VERSION
 from ..format.canonical import seal
 from ..format.names import LOCK_NAME, LOCK_PREFIX, lock_key  # noqa: F401  (importable from here)
 from ..store.base import Store
+from ..store.flocks import FileLock, flock_holders, try_flock
 from .lockrecords import (  # noqa: F401  (break_locks, parse_lock, KINDS…: the lock API, importable from here)
     _HOST,
     DEFAULT_TIMEOUT,
@@ -280,9 +282,62 @@ def _locked_error(store: Store, kind: str, op: str, blockers: list[LockRecord], 
 
 @contextmanager
 def locked(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT_TIMEOUT,
-           where: str | None = None) -> Iterator[Lock]:
-    lock = acquire(store, kind, op, timeout=timeout, where=where)
+           where: str | None = None) -> Iterator[Lock | FileLock]:
+    """Hold a ``kind`` lock for ``op`` (see ``acquire``). On a local filesystem (``store.lock_path()``) a shared lock
+    is ``flock(LOCK_SH)`` on ``locks/flock`` — unless a record blocks it (an exclusive locker, or a damaged record),
+    then the record protocol decides as before — and an exclusive lock is the record and ``flock(LOCK_EX)``."""
+    path = _lock_path(store)
+    if path is None:
+        lock: Lock | FileLock = acquire(store, kind, op, timeout=timeout, where=where)
+        try:
+            yield lock
+        finally:
+            lock.release()
+        return
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if kind == "shared":
+        try:
+            held = try_flock(path, "shared", op, deadline)
+        except OSError:  # the lock file cannot be opened (a read-only or full disk): records decide, typed errors
+            held, path = None, None
+        if held is not None and not _survey(store, kind, None)[0]:
+            try:
+                yield held
+            finally:
+                held.release()
+            return
+        if held is not None:
+            held.release()  # a record is in the way: wait on the records, as lockers without flock do
+        lock = acquire(store, kind, op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                       where=where)
+        try:
+            yield lock
+        finally:
+            lock.release()
+        return
+    record = acquire(store, kind, op, timeout=timeout, where=where)
     try:
-        yield lock
+        try:
+            held = try_flock(path, "exclusive", op, deadline)
+        except OSError as exc:
+            code = exc.errno or errno.EIO
+            raise StorageError(code, f"cannot open the repository's lock file {path} for {op}: "
+                               f"{exc.strerror or exc}; {os_remedy(code)}, then try again") from None
+        if held is None:
+            pids = flock_holders(path)
+            repo = where or store.describe()
+            raise LockedError(f"cannot take an exclusive lock for {op} on {repo}: a save is running (process "
+                              f"{', '.join(map(str, pids)) or 'unknown'} holds {path}); wait for it to finish")
+        try:
+            yield record
+        finally:
+            held.release()
     finally:
-        lock.release()
+        record.release()
+
+
+def _lock_path(store: Store) -> str | None:
+    try:
+        return store.lock_path()
+    except OSError:
+        return None

@@ -14,6 +14,7 @@ from ..format.pack import BlobLocation, PackBuilder
 from ..store.base import KeyNotFound, Store
 from ..format.codecs import compressor  # noqa: F401  (importable from here as before)
 from .chunkio import check_pack_trailer
+from .parallel import shared_pool
 
 PACK_WRITES_IN_FLIGHT = 3
 # A pack is also written, before it reaches pack_size, once it holds pack_size of raw (uncompressed) chunk bytes and at
@@ -41,8 +42,7 @@ class PackWriter:
     created: list[str] = field(default_factory=list)  # packs this writer created (not ones that already existed)
     stored_bytes: int = 0
     raw_bytes: int = 0  # raw bytes of the chunks in the current builder
-    _pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(PACK_WRITES_IN_FLIGHT, "luopan-pack"))
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: shared_pool("pack", PACK_WRITES_IN_FLIGHT))
     _inflight: deque[Future[None]] = field(default_factory=deque)
 
     def add(self, chunk_hash: str, stored: memoryview, size: int, codec: str) -> tuple[PackBuilder, int]:
@@ -84,11 +84,10 @@ class PackWriter:
             self._inflight.popleft().result()
 
     def close(self) -> None:
-        """Wait for every write to end (errors were or will be raised by finish) and stop the threads."""
+        """Wait for every write to end (errors were or will be raised by finish); the threads are the process's."""
         for f in self._inflight:
             f.exception()
         self._inflight.clear()
-        self._pool.shutdown(wait=True)
 
     def discard(self) -> None:
         """Remove packs this save created (only before any index names them). A pack that already existed may

@@ -2,6 +2,6 @@
 luopan._parallel, below every package, so that a device applying a patch (luopan.patch) uses it without importing
 the repository."""
 
-from .._parallel import WORKERS, ordered_map
+from .._parallel import WORKERS, ordered_map, shared_pool
 
-__all__ = ["WORKERS", "ordered_map"]
+__all__ = ["WORKERS", "ordered_map", "shared_pool"]

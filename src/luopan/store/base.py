@@ -173,5 +173,10 @@ class Store(abc.ABC):
         """Bytes free for new data where this store writes, or None when unknown or unbounded (object stores)."""
         return None
 
+    def lock_path(self) -> str | None:
+        """A file whose ``flock`` excludes this store's writers (a repository on a local filesystem; §9.2), or None:
+        lock records alone."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__

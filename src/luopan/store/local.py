@@ -24,6 +24,7 @@ from .tempfiles import HOST as _HOST
 from .tempfiles import STALE_TMP_SECONDS as STALE_TMP_SECONDS  # doctor's leftovers check reads it here
 from .tempfiles import cleanup_failed, close_quietly, discard, link_new, remove_if_abandoned, try_lock, unlink_quietly
 from .walk import ABSENT as _ABSENT
+from .flocks import lock_file_for
 from .walk import TMP_MARK, file_kind as _kind, list_dir, walk
 
 _IOV_MAX = 1024
@@ -369,6 +370,9 @@ class LocalStore(Store):
             if stray is None and TMP_MARK in os.path.basename(path) and remove_if_abandoned(path):
                 removed += 1
         return removed
+
+    def lock_path(self) -> str | None:
+        return lock_file_for(self.root)
 
     def describe(self) -> str:
         return self.root
