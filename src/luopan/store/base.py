@@ -26,9 +26,10 @@ Conveniences (``read_into``, ``get_limited``) are built on the primitives here; 
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 from ..errors import InvalidNameError, ObjectTooLargeError, StorageError
 
@@ -173,6 +174,12 @@ class Store(abc.ABC):
         """Bytes free for new data where this store writes, or None when unknown or unbounded (object stores)."""
         return None
 
+    def open_stream(self, directory: str) -> Any:
+        """A streamed write (luopan.store.streams): pieces written at offsets as they come, committed under a key of
+        ``directory`` chosen at the end (``put_if_absent`` semantics). This default keeps the pieces and puts them
+        whole at commit."""
+        return BufferedStream(self)
+
     def lock_path(self) -> str | None:
         """A file whose ``flock`` excludes this store's writers (a repository on a local filesystem; §9.2), or None:
         lock records alone."""
@@ -180,3 +187,27 @@ class Store(abc.ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+class BufferedStream:
+    """Pieces kept (zero-copy) until ``commit`` puts them as one object."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._pieces: dict[int, list[memoryview]] = {}
+        self._lock = threading.Lock()
+
+    def write_at(self, offset: int, parts: list[memoryview]) -> None:
+        with self._lock:
+            self._pieces[offset] = list(parts)
+
+    def commit(self, key: str) -> bool:
+        """Store the file as ``key`` unless that key exists (False); durable when this returns True."""
+        with self._lock:
+            parts = [p for off in sorted(self._pieces) for p in self._pieces[off]]
+            self._pieces.clear()
+        return self.store.put_if_absent(key, parts)
+
+    def discard(self) -> None:
+        with self._lock:
+            self._pieces.clear()

@@ -25,6 +25,7 @@ from .tempfiles import STALE_TMP_SECONDS as STALE_TMP_SECONDS  # doctor's leftov
 from .tempfiles import cleanup_failed, close_quietly, discard, link_new, remove_if_abandoned, try_lock, unlink_quietly
 from .walk import ABSENT as _ABSENT
 from .flocks import lock_file_for
+from .localstream import LocalStream
 from .walk import TMP_MARK, file_kind as _kind, list_dir, walk
 
 _IOV_MAX = 1024
@@ -373,6 +374,9 @@ class LocalStore(Store):
 
     def lock_path(self) -> str | None:
         return lock_file_for(self.root)
+
+    def open_stream(self, directory: str) -> LocalStream:
+        return LocalStream(self, directory, _crash_kind(directory + "/x"))
 
     def describe(self) -> str:
         return self.root

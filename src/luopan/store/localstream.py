@@ -1,0 +1,87 @@
+"""A streamed write on a local filesystem (``Store.open_stream``; the others keep pieces: base.BufferedStream): a locked temp file in the key's top directory,
+written with ``pwritev`` at the pieces' offsets from any thread, then fsynced, hard-linked to its key (never
+replacing one) and the key's directory fsynced — the same steps and crash points as ``LocalStore.put_if_absent``, so
+the data is durable before its name is."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from typing import Any
+
+from .._crash import crashpoint
+from .tempfiles import HOST, close_quietly, discard, link_new, try_lock
+from .walk import TMP_MARK
+
+_IOV_MAX = 1024
+
+
+class LocalStream:
+    def __init__(self, store: Any, directory: str, kind: str) -> None:
+        """A temp file in ``directory`` (a key prefix such as "packs"); ``kind`` names its crash points."""
+        self.store, self.kind, self.directory = store, kind, directory
+        d = store._path(directory)
+        name = f"new.{kind}{TMP_MARK}{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.key = f"{directory}/{name}"  # for error messages: "no space left … while writing packs/new.pack.tmp-…"
+        with store._mapping("write", self.key):
+            store._ensure_dir(d)
+            self.tmp = os.path.join(d, name)
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                try_lock(self.fd)  # held until the link: cleanup of gone writers' temporaries leaves it alone
+            except BaseException:
+                self.discard()
+                raise
+        self._lock = threading.Lock()
+        self._done = False
+
+    def write_at(self, offset: int, parts: list[memoryview]) -> None:
+        """Write ``parts`` (in order) at ``offset``; short writes are continued."""
+        parts = [p for p in parts if len(p)]
+        with self.store._mapping("write", self.key):
+            i = 0
+            while i < len(parts):
+                batch = parts[i : i + _IOV_MAX]
+                n = os.pwritev(self.fd, batch, offset)
+                offset += n
+                while batch and n >= len(batch[0]):
+                    n -= len(batch[0])
+                    batch.pop(0)
+                    i += 1
+                if batch and n:
+                    parts[i] = parts[i][n:]
+
+    def commit(self, key: str) -> bool:
+        """fsync, then give the file the name ``key`` unless it is taken (False), then fsync its directory."""
+        store, kind = self.store, self.kind
+        path = store._path(key)
+        with store._mapping("write", key):
+            try:
+                crashpoint(f"{kind}.written")
+                os.fsync(self.fd)
+                crashpoint(f"{kind}.fsynced")
+                store._ensure_dir(os.path.dirname(path))
+                linked = link_new(self.tmp, path)
+                if linked:
+                    crashpoint(f"{kind}.renamed")
+            except BaseException:
+                self.discard()
+                raise
+            self._done = True
+            store._unlink_after(self.tmp, key)
+            store._close_after(self.fd, key, "writing")
+            if not linked:
+                return False
+            store._sync_placed(path, key)
+            crashpoint(f"{kind}.dirsynced")
+            return True
+
+    def discard(self) -> None:
+        """Drop the temp file (a failed or abandoned write)."""
+        with getattr(self, "_lock", threading.Lock()):
+            if getattr(self, "_done", False):
+                return
+            self._done = True
+        close_quietly(self.fd)
+        discard(self.tmp)
