@@ -18,11 +18,12 @@ def test_patch_suite_runs_and_reports_its_ids(tmp_path, child_env):
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
     results = {r["id"]: r for r in report["results"]}
-    assert set(results) == {"P9.patch_bytes_over_changed", "P10.apply_vs_article", "P11.resume_waste",
-                            "P12.apply_peak_rss_mib"}
+    assert set(results) == {"P9.patch_bytes_over_changed", "P10.apply_vs_article", "P10.apply_vs_raw_write",
+                            "P11.resume_waste", "P12.apply_peak_rss_mib"}
     assert results["P11.resume_waste"]["goal"] == 1.05 and results["P11.resume_waste"]["goal_op"] == "<="
     assert results["P9.patch_bytes_over_changed"]["goal"] == 1.05
     assert results["P10.apply_vs_article"]["goal"] == 3
+    assert results["P10.apply_vs_raw_write"]["goal"] == 0.8
     assert results["P12.apply_peak_rss_mib"]["goal"] == 300
     assert not report["problems"], report["problems"]  # luopan's output is the export; the article's has its tensors
     assert results["P9.patch_bytes_over_changed"]["met"]  # a size ratio, not a timing: it holds at any size

@@ -270,7 +270,8 @@ def test_memory_stays_bounded_whatever_the_model_size(tmp_path, monkeypatch):
     finally:
         tracemalloc.stop()
     assert (tmp_path / "out.st").read_bytes() == (tmp_path / "target.st").read_bytes()
-    assert max(reads) <= CHUNK and len(reads) >= 2 * 24 * 1024 * 1024 // CHUNK - 64
+    # the base is read once, in chunks: hashed for its fingerprint and written from the same buffer
+    assert max(reads) <= CHUNK and len(reads) >= 24 * 1024 * 1024 // CHUNK
     assert peak < 2 * 1024 * 1024, peak  # a 24 MiB model: buffers of a few chunks, never the model
     assert patch_files.workers_for(CHUNK) == min(parallel.WORKERS, 4) and patch_files.workers_for(1 << 30) == 1
     repo.close()

@@ -1,8 +1,9 @@
 """``luopan.patch.apply``: a patch and the base it was made for make the target, as a safetensors file (no
 repository needed) or as a checkpoint of a repository (docs/format.md §13.4).
 
-The output file is streamed: each worker holds one chunk at a time, read from the base or the patch, verified, and
-written at its place in a temporary file that is renamed over the output only once everything is written and synced.
+The output file is streamed (``direct.write_file``): each worker holds one chunk at a time, read from the patch or,
+in the single pass that hashes the base, from the base, verified, and written at its place in a temporary file that
+is renamed over the output only once everything is written and synced.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from .._files import check_output_path
 from ..errors import UsageError
 from ..signing import TrustedKeys
 from ..units import format_bytes
-from .basefile import scratch
 from .commit import check_memory, commit
-from .files import AtomicOutput
+from .direct import write_file
 from .header import Header
-from .prepare import Chunk, Prepared, prepare
+from .prepare import prepare
 from .stfile import header_bytes
 
 
@@ -86,12 +86,13 @@ def apply(
                                  f"limit of {format_bytes(max_output_bytes)}; nothing was written")
 
     with prepare(patch_path, base_path, trusted_keys=trusted_keys, require_signature=require_signature,
-                 expect_target=expect_target, check=check, progress=progress, on_total=on_total) as prep:
+                 expect_target=expect_target, check=check, progress=progress, on_total=on_total,
+                 hash_base=repo is not None) as prep:  # a file's target is written as the base is hashed
         target_bytes = prep.header.target["bytes"]
         if repo is not None:
             done = commit(prep, repo, run, step, progress)
         else:
-            done = {"path": os.fspath(out_path), "bytes": _write(prep, out_path, progress)}
+            done = {"path": os.fspath(out_path), "bytes": write_file(prep, out_path, _head(prep.header), progress)}
         from_patch = sum(c.size for c in prep.chunks if c.blob is not None)
         return {**done, "tensors": len(prep.header.tensors), "chunks": len(prep.chunks),
                 "bytes_from_base": target_bytes - from_patch, "bytes_from_patch": from_patch,
@@ -105,23 +106,3 @@ def _head(header: Header) -> bytes:
 
 def _output_size(header: Header) -> int:
     return len(_head(header)) + header.target["bytes"]
-
-
-def _write(prep: Prepared, out_path: str | os.PathLike[str], progress: Callable[[int], Any] | None) -> int:
-    head = _head(prep.header)
-    total = len(head) + prep.header.target["bytes"]
-    with AtomicOutput(out_path, total) as out:
-        out.write(head, 0)
-        out.written(0, len(head))
-
-        def one(c: Chunk) -> None:
-            buf = scratch(c.size)
-            prep.read(c, buf)
-            out.write(buf, len(head) + c.offset)
-            out.written(len(head) + c.offset, c.size)
-            if progress is not None:
-                progress(c.size)
-
-        prep.each(one)
-    return total
-

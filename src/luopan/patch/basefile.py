@@ -47,8 +47,11 @@ class HashedFile:
         return sum(t.nbytes for t in self.tensors)
 
 
-def hash_file(fd: int, path: str, chunk_size: int, progress: Callable[[int], Any] | None = None) -> HashedFile:
-    """Hash the safetensors file open at ``fd``. CorruptSafetensorsError when it is not a valid one (or shrinks)."""
+def hash_file(fd: int, path: str, chunk_size: int, progress: Callable[[int], Any] | None = None,
+              land: Callable[[str, memoryview], None] | None = None) -> HashedFile:
+    """Hash the safetensors file open at ``fd``. CorruptSafetensorsError when it is not a valid one (or shrinks).
+    ``land(hash, chunk)`` is called on the hashing thread with each chunk's bytes just hashed (valid only during the
+    call): ``patch apply`` writes them where the target needs them, so the base is read and hashed once."""
     size = os.fstat(fd).st_size
     tensors, _metadata = read_header(fd, size, path)
     cuts = [spans(t.nbytes, t.shape, chunk_size) for t in tensors]
@@ -68,6 +71,8 @@ def hash_file(fd: int, path: str, chunk_size: int, progress: Callable[[int], Any
         if read_exact(fd, buf, offset) != n:
             raise CorruptSafetensorsError(f"{path} became shorter while it was read")
         digest = blake3.blake3(buf).hexdigest()
+        if land is not None:
+            land(digest, buf)
         if progress is not None:
             progress(n)
         return i, offset, n, digest

@@ -48,9 +48,25 @@ class Prepared:
     patch: PatchFile
     header: Header
     signed_by: str | None
-    base: HashedFile
     base_fd: int
+    base_path: str
+    base: HashedFile = field(init=False)  # set by ``settle``, once the base is hashed
     chunks: list[Chunk] = field(default_factory=list)
+
+    def settle(self, base: HashedFile) -> None:
+        """Take the hashed base: BaseMismatchError (naming both fingerprints) unless its content fingerprint is the
+        patch's, then the plan of every target chunk (CorruptPatchError for one that neither holds)."""
+        expected = self.header.base["fingerprint"]
+        if base.fingerprint != expected:
+            h, where = self.header, self.base_path
+            err = BaseMismatchError(
+                f"{where} is not the base this patch was made for: the patch needs content fingerprint {expected} "
+                f"({h.base['source']}: {h.base['tensors']} tensors, {format_bytes(h.base['bytes'])}), {where} has "
+                f"{base.fingerprint} ({len(base.tensors)} tensors, {format_bytes(base.nbytes)}); nothing was written")
+            err.expected, err.actual = expected, base.fingerprint  # type: ignore[attr-defined]
+            raise err
+        self.base = base
+        self.chunks = plan(self.header, base, self.patch.path)
 
     def close(self) -> None:
         self.patch.close()
@@ -64,12 +80,13 @@ class Prepared:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def each(self, fn: Callable[[Chunk], None]) -> None:
-        """``fn`` over every chunk of the plan on as many threads as the buffer budget allows (each holds one
-        chunk); the first error stops the rest (nothing more is queued) and is raised."""
+    def each(self, fn: Callable[[Chunk], None], chunks: list[Chunk] | None = None) -> None:
+        """``fn`` over every chunk of the plan (or of ``chunks``) on as many threads as the buffer budget allows
+        (each holds one chunk); the first error stops the rest (nothing more is queued) and is raised."""
         workers = workers_for(self.header.chunk_size)
         with ThreadPoolExecutor(workers, "luopan-patch") as pool:
-            for _ in ordered_map(pool, fn, self.chunks, window=2 * workers):  # a few chunks queued, not all
+            for _ in ordered_map(pool, fn, self.chunks if chunks is None else chunks,
+                                 window=2 * workers):  # a few chunks queued, not all
                 pass
 
     def read(self, c: Chunk, dest: memoryview) -> None:
@@ -166,10 +183,13 @@ def check_target(header: Header, expect_target: str | None, where: str) -> None:
 def prepare(patch_path: str | os.PathLike[str], base_path: str | os.PathLike[str], *,
             trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None, require_signature: bool | None = None,
             expect_target: str | None = None, check: Callable[[Header], Any] | None = None,
-            progress: Callable[[int], Any] | None = None, on_total: Callable[[int], Any] | None = None) -> Prepared:
+            progress: Callable[[int], Any] | None = None, on_total: Callable[[int], Any] | None = None,
+            hash_base: bool = True) -> Prepared:
     """Open and check a patch and its base (module docstring); nothing is written. The caller closes the result.
     ``expect_target`` and ``check(header)`` (which raises to refuse) are checked before the base is read.
-    ``progress(n)`` gets the bytes of the base as they are hashed; ``on_total(n)`` the bytes of base and target."""
+    ``progress(n)`` gets the bytes of the base as they are hashed; ``on_total(n)`` the bytes of base and target.
+    With ``hash_base=False`` the base is opened, not read: the caller hashes it (``basefile.hash_file``) and hands
+    the result to ``Prepared.settle`` before it uses ``base`` or ``chunks``."""
     pf, header, signed_by = open_checked(patch_path, trusted_keys, require_signature)
     base_fd = -1
     try:
@@ -180,18 +200,9 @@ def prepare(patch_path: str | os.PathLike[str], base_path: str | os.PathLike[str
         base_fd = open_regular(where, CorruptSafetensorsError)
         if on_total is not None:  # the base is hashed, then the target written
             on_total(os.fstat(base_fd).st_size + header.target["bytes"])
-        base = hash_file(base_fd, where, header.chunk_size, progress)
-        expected = header.base["fingerprint"]
-        if base.fingerprint != expected:
-            err = BaseMismatchError(
-                f"{where} is not the base this patch was made for: the patch needs content fingerprint {expected} "
-                f"({header.base['source']}: {header.base['tensors']} tensors, {format_bytes(header.base['bytes'])}), "
-                f"{where} has {base.fingerprint} ({len(base.tensors)} tensors, {format_bytes(base.nbytes)}); nothing "
-                "was written")
-            err.expected, err.actual = expected, base.fingerprint
-            raise err
-        prep = Prepared(pf, header, signed_by, base, base_fd)
-        prep.chunks = plan(header, base, pf.path)
+        prep = Prepared(pf, header, signed_by, base_fd, where)
+        if hash_base:
+            prep.settle(hash_file(base_fd, where, header.chunk_size, progress))
         return prep
     except BaseException:
         pf.close()
