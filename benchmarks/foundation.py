@@ -610,10 +610,10 @@ def assemble(samples: dict[str, list[float]], nbytes: int, dcp_save_s: float, ha
             "backend) + touch one element per 4 KiB page of every tensor", "st_load_file", "lp_load", 1.0,
             samples, nbytes,
             "Warm page cache. Both sides create fresh tensors: luopan = repo.load(run, step), every chunk read "
-            "into the new tensors' memory (huge-page arenas) and BLAKE3-verified there. Peer and luopan alternate "
-            "in each repetition, the order flipping every repetition. Both run in the benchmark's one process, so "
-            "both see the same allocator state (glibc may hand a load memory a previous load freed, already "
-            "faulted in).",
+            "into the new tensors' memory (arenas of up to 16 MiB) and BLAKE3-verified there. Peer and luopan "
+            "alternate in each repetition, the order flipping every repetition. Both run in the benchmark's one "
+            "process, so both see the same allocator state (glibc may hand a load memory a previous load freed, "
+            "already faulted in; fresh pages cost more, in a VM most).",
         ),
         _context(_ratio_result(
             "P5.vs_safetensors_load", "safetensors load_file+touch (lazy mmap)", "safetensors load_file (default "

@@ -29,7 +29,7 @@ ALIGN = 64  # each entry starts on a cache line (and on any element boundary)
 
 def fresh_arrays(specs: Sequence[tuple[str, str, Sequence[int]]]) -> list[tuple[Any, memoryview]]:
     """Uninitialised arrays/tensors for the ``(kind, dtype, shape)`` of each entry, with a writable flat byte view of
-    each one's memory (as ``luopan.tree.new_array``, but laid out in huge-page arenas)."""
+    each one's memory (as ``luopan.tree.new_array``, but cut from shared arenas)."""
     out: list[Any] = [None] * len(specs)
     group: list[tuple[int, int]] = []  # (spec index, bytes) waiting for the arena they share
     used = 0
