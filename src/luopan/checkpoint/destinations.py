@@ -21,8 +21,9 @@ from ..tree import itemsize, new_array
 # Entries share arenas of up to this many bytes (the most memory a kept tensor can keep alive beside itself). Below
 # glibc's largest mmap threshold (32 MiB), so a load's arenas can reuse memory an earlier load freed: fresh pages
 # cost the most here (zeroed by the kernel, and in a VM often by the host too). Measured, 1 GiB of fp32 (308
-# tensors) loaded 10 times in one process, 2 busy cores: repo.load median 0.49 s with 16 MiB arenas, 0.62 s with a
-# torch.empty per tensor, 0.94 s with 64 MiB arenas mapped fresh on huge pages; safetensors load_file(pread) 0.65 s.
+# tensors) loaded repeatedly in one process on 2 busy cores, medians of 4 runs: 16 MiB arenas 0.40-0.80 s, a
+# torch.empty per tensor 0.37-1.00 s (slower in 3 of 4), 64 MiB arenas mapped fresh on huge pages 0.71-1.44 s;
+# safetensors load_file(pread) 0.65-1.11 s in the same processes.
 ARENA_BYTES = 16 << 20
 ALIGN = 64  # each entry starts on a cache line (and on any element boundary)
 
