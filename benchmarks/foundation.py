@@ -295,6 +295,7 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
         "st_save", "raw_save", "lp_save", "lp_save_after_st", "lp_save_after_raw",
         "st_load_model", "dcp_load", "lp_load_into", "lp_load_into_after_st_load_model",
         "lp_load_into_after_dcp_load", "st_load_touch", "st_load_pread", "st_load_model_pread", "lp_load",
+        "st_load_file",
         "cold_st_load_model", "cold_lp_load_into", "cold_dcp_load", "cold_st_load_touch", "cold_st_load_pread",
         "cold_st_load_model_pread", "cold_lp_load")}
 
@@ -387,6 +388,12 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
         del out
         return dt
 
+    # The peer of repo.load: safetensors load_file into fresh tensors (backend="pread": read into private memory, as
+    # repo.load reads; an older safetensors without backends maps the file, and every page is touched).
+    st_file = st_pread if has_pread else st_touch
+    if has_pread:
+        samples["st_load_pread"] = samples["st_load_file"]  # one measurement, also the context figure's peer
+
     def st_model() -> float:
         return timed(lambda: load_model_safetensors(model, st_path))[0]
 
@@ -413,16 +420,16 @@ def _run(size_mib: int, reps: int, cold_reps: int, work: str, rss: bool, log: Lo
             samples["lp_load_into"].append(lp)
             samples[f"lp_load_into_after_{key}"].append(lp)
             line.append(f"{key} {p:.3f}s / load_into {lp:.3f}s")
-        ctx = [("st_load_touch", st_touch), ("lp_load", lp_load)]
+        fresh = [("st_load_file", st_file), ("lp_load", lp_load)]  # P5.load_vs_safetensors_load_file
         if r % 2:
-            ctx.reverse()
-        for key, fn in ctx:
+            fresh.reverse()
+        for key, fn in fresh:
             samples[key].append(fn())
+        line.append(f"load_file {samples['st_load_file'][-1]:.3f}s / load {samples['lp_load'][-1]:.3f}s")
+        samples["st_load_touch"].append(st_touch())
         if has_pread:
-            samples["st_load_pread"].append(st_pread())
             samples["st_load_model_pread"].append(st_model_pread())
-        log(f"  rep {r + 1}: " + ", ".join(line) + f"; context: mmap+touch {samples['st_load_touch'][-1]:.3f}s / "
-            f"load {samples['lp_load'][-1]:.3f}s")
+        log(f"  rep {r + 1}: " + ", ".join(line) + f"; context: mmap+touch {samples['st_load_touch'][-1]:.3f}s")
 
     can_drop = cold_reps > 0 and can_drop_caches()
     cold = can_drop
@@ -595,6 +602,18 @@ def assemble(samples: dict[str, list[float]], nbytes: int, dcp_save_s: float, ha
             ratio_vs_load=ratio(median(samples["dcp_load"]), lp_load),
             dcp_save_s_one_sample=dcp_save_s,
             cold=_cold(samples, "cold_dcp_load", "cold_lp_load_into", cold),
+        ),
+        _ratio_result(
+            "P5.load_vs_safetensors_load_file", "safetensors load_file" + (" (pread)" if has_pread else " + touch"),
+            "safetensors.torch.load_file(path, backend='pread'): every tensor read with pread into fresh private "
+            "memory" if has_pread else "safetensors.torch.load_file(path) (mmap; this safetensors has no pread "
+            "backend) + touch one element per 4 KiB page of every tensor", "st_load_file", "lp_load", 1.0,
+            samples, nbytes,
+            "Warm page cache. Both sides create fresh tensors: luopan = repo.load(run, step), every chunk read "
+            "into the new tensors' memory (arenas of up to 16 MiB) and BLAKE3-verified there. Peer and luopan "
+            "alternate in each repetition, the order flipping every repetition. Both run in the benchmark's one "
+            "process, so both see the same allocator state (glibc may hand a load memory a previous load freed, "
+            "already faulted in; fresh pages cost more, in a VM most).",
         ),
         _context(_ratio_result(
             "P5.vs_safetensors_load", "safetensors load_file+touch (lazy mmap)", "safetensors load_file (default "

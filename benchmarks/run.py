@@ -120,10 +120,7 @@ def extra_rows(report: dict[str, Any]) -> list[list[str]]:
         if r["id"] == "P5.vs_safetensors_load":  # context only (the pre-issue-15 P5 figure, lazy mmap)
             out.append([f"{r['id']} (lazy mmap load_file+touch vs repo.load, warm; no goal)", _fmt(r["peer_s"]),
                         _fmt(r["luopan_s"]), _fmt(r["ratio"], ".2f")])
-            pr = r.get("extra_safetensors_pread_load")
-            if pr:
-                out.append([f"{r['id']} (load_file backend=pread vs repo.load, warm)", _fmt(pr["peer_s"]),
-                            _fmt(r["luopan_s"]), _fmt(pr["ratio"], ".2f")])
+            # its load_file backend=pread figure is the goal P5.load_vs_safetensors_load_file now: not repeated here
             for key, label in (("cold", "mmap+touch vs repo.load, cold"), ("cold_pread", "pread vs repo.load, cold")):
                 c = r.get(key)
                 if c:

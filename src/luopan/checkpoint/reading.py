@@ -22,6 +22,7 @@ from . import catalog
 from .export import diff_manifests, export_safetensors
 from .info import CheckpointInfo
 from .chunkplan import check_rows, entry_jobs
+from .destinations import fresh_arrays
 
 
 class Reading(CheckpointBase):
@@ -105,13 +106,12 @@ class Reading(CheckpointBase):
         sizes = check_rows(self.store, m)  # every row within its pack before any buffer is sized by the manifest
         objs: list[Any] = [None] * len(m.entries)
         jobs: list[Any] = []
-        for i, e in enumerate(m.entries):
-            if "alias_of" in e:
-                continue
-            obj, view = new_array(e["kind"], e["dtype"], e["shape"])
+        own = [i for i, e in enumerate(m.entries) if "alias_of" not in e]
+        fresh = fresh_arrays([(m.entries[i]["kind"], m.entries[i]["dtype"], m.entries[i]["shape"]) for i in own])
+        for i, (obj, view) in zip(own, fresh):
             objs[i] = obj
             jobs += entry_jobs(self.store, m, i, view, sizes)  # row deltas: each base chunk patched as it is read
-        read_chunks(self.store, jobs, sizes=sizes)
+        read_chunks(self.store, jobs, sizes=sizes)  # each chunk read and verified where it ends, the new tensor
         for i, e in enumerate(m.entries):
             if "alias_of" in e:
                 objs[i] = objs[e["alias_of"]]
@@ -126,7 +126,7 @@ class Reading(CheckpointBase):
         if "alias_of" in e:
             return self.load_entry(m, e["alias_of"])
         sizes = check_rows(self.store, m, [index])
-        obj, view = new_array(e["kind"], e["dtype"], e["shape"])
+        [(obj, view)] = fresh_arrays([(e["kind"], e["dtype"], e["shape"])])
         read_chunks(self.store, entry_jobs(self.store, m, index, view, sizes), sizes=sizes)
         return obj[()] if e.get("scalar") else obj
 

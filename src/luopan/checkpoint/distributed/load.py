@@ -24,6 +24,7 @@ from ...repository.chunkio import PackSizes, read_chunks
 from ...tree import flatten, itemsize, new_array, unflatten
 from .ranks import Chunk, Ranks, Sharded, parse_ranks
 from ..chunkplan import check_rows, entry_jobs
+from ..destinations import fresh_arrays
 from ..reading import writable_bytes
 from .shards import unwrap
 
@@ -181,13 +182,14 @@ def load(repo: Any, m: Manifest, rank: int | None = None, world: int = 0) -> Any
     sizes = check_rows(repo.store, m, sorted(used | {c.entry for s in whole for c in s.chunks}))
     batch = _Batch(m, repo.store, sizes)
     objs: dict[int, Any] = {}
-    for i in sorted(used):
-        e = m.entries[i]
-        objs[i], dest = new_array(e["kind"], e["dtype"], e["shape"])
-        batch.entry(i, objs[i], dest)
+    order = sorted(used)
+    fresh = fresh_arrays([(m.entries[i]["kind"], m.entries[i]["dtype"], m.entries[i]["shape"]) for i in order]
+                         + [(s.kind, s.dtype, list(s.size)) for s in whole])  # read into where they end
+    for i, (obj, dest) in zip(order, fresh):
+        objs[i] = obj
+        batch.entry(i, obj, dest)
     assembled = []
-    for s in whole:
-        obj, dest = new_array(s.kind, s.dtype, list(s.size))
+    for s, (obj, dest) in zip(whole, fresh[len(order):]):
         assembled.append(obj)
         batch.assemble(s, obj, dest)
     batch.run()
