@@ -52,10 +52,17 @@ class PlanContext:
     segments: bool = False  # the repository takes patches in segments (format 7, docs/format.md §5.2)
 
 
+def chunk_xxh3s(data: memoryview, spans: list[tuple[int, int]]) -> list[str]:
+    """XXH3-128 of each chunk ``(offset, length)`` of ``data`` (the change detector the plan compares)."""
+    return [xxhash.xxh3_128_hexdigest(data[o : o + n]) for o, n in spans]
+
+
 def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step: int, track: RowTrack | None,
-               hint: np.ndarray | None, pc: PlanContext) -> Decision:
-    """Decide how to store one delta-candidate entry this save: in full, as base + rows, or as base XOR delta."""
-    xs = list(pc.pool.map(xxhash.xxh3_128_hexdigest, [data[o : o + n] for o, n in spans]))
+               hint: np.ndarray | None, pc: PlanContext, xs: list[str] | None = None) -> Decision:
+    """Decide how to store one delta-candidate entry this save: in full, as base + rows, or as base XOR delta.
+    ``xs``: the XXH3-128 of its chunks when the caller computed them already."""
+    if xs is None:
+        xs = list(pc.pool.map(xxhash.xxh3_128_hexdigest, [data[o : o + n] for o, n in spans]))
     lay = layout(leaf)
     full = RowTrack(lay, tuple(xs), None, step, None, _EMPTY)
     if track is not None:  # XOR backoff survives a rebase
