@@ -551,7 +551,7 @@ def assemble(samples: dict[str, list[float]], nbytes: int, dcp_save_s: float, ha
         ),
         _ratio_result(
             "P1.vs_raw_write", "raw write+fsync", "os.write of the same bytes into one new file + fsync(file) + fsync(dir)",
-            "raw_save", "lp_save", 0.8, samples, nbytes,
+            "raw_save", "lp_save", 0.9, samples, nbytes,
             "The write floor: the tensors' bytes (zero-copy views) written sequentially by one thread, one fsync "
             "at the end. luopan samples pooled as for P1.vs_safetensors.",
             luopan_after_peer_median_s=median(samples["lp_save_after_raw"]),
