@@ -318,3 +318,18 @@ def test_a_writer_given_a_path_keeps_the_repository_open_for_the_next_save(tmp_p
     dcp.load(out, storage_reader=luopan.dcp.Reader(path, "r", 1))
     assert torch.equal(out["w"], torch.arange(1000.0))
     opened.forget()
+
+
+def test_a_save_refused_for_an_existing_step_leaves_the_kept_repository_to_the_next(tmp_path):
+    from luopan.dcp import opened
+
+    opened.forget()
+    path = tmp_path / "repo"
+    first = luopan.dcp.Writer(path, "r", 1)
+    dcp.save({"w": torch.ones(10)}, storage_writer=first)
+    with pytest.raises(CheckpointException, match="already has a checkpoint"):
+        dcp.save({"w": torch.ones(10)}, storage_writer=luopan.dcp.Writer(path, "r", 1))
+    again = luopan.dcp.Writer(path, "r", 2)
+    dcp.save({"w": torch.ones(10)}, storage_writer=again)
+    assert again._repo is first._repo
+    opened.forget()

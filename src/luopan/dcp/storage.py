@@ -94,6 +94,7 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # On the coordinator, before any rank writes: a step that exists is refused now, not after the writes.
         if not self.overwrite and self._open().store.exists(manifest_key(self.run, self.step)):
+            release(self._open())  # this save ends here: the next may have the repository
             raise CheckpointExistsError(f"run {self.run!r} already has a checkpoint at step {self.step}; pass "
                                         "overwrite=True to luopan.dcp.Writer to replace it")
         return plans
