@@ -292,3 +292,44 @@ def test_trust_versions_never_reuses_staged_copies_of_async_save(tmp_path):
             getattr(result, "upload_completion", result).result()
             assert torch.equal(repo.load("r", step)["weight"], w.weight.detach()), step
     stager.close()
+
+
+def test_a_writer_given_a_path_keeps_the_repository_open_for_the_next_save(tmp_path):
+    """luopan.dcp.opened: the next save at the same path stores through the repository the last one opened (its chunk
+    index and XXH3 rows in memory); one removed and created again at that path, or one still in use, is not reused."""
+    from luopan.dcp import opened
+
+    opened.forget()
+    path = tmp_path / "repo"
+    w1 = luopan.dcp.Writer(path, "r", 1)
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=w1)
+    w2 = luopan.dcp.Writer(str(path), "r", 2)
+    dcp.save({"w": torch.arange(1000.0) + 1}, storage_writer=w2)
+    assert w2._repo is w1._repo
+    first = opened.acquire(path)  # in use by a save: the next acquire gets a repository of its own
+    assert opened.acquire(path) is not first
+    opened.release(first)
+    import shutil
+    shutil.rmtree(path)  # the same path, another repository (another repo_id): never the old one's memory
+    w3 = luopan.dcp.Writer(path, "r", 1)
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=w3)
+    assert w3._repo is not w1._repo
+    out = {"w": torch.zeros(1000)}
+    dcp.load(out, storage_reader=luopan.dcp.Reader(path, "r", 1))
+    assert torch.equal(out["w"], torch.arange(1000.0))
+    opened.forget()
+
+
+def test_a_save_refused_for_an_existing_step_leaves_the_kept_repository_to_the_next(tmp_path):
+    from luopan.dcp import opened
+
+    opened.forget()
+    path = tmp_path / "repo"
+    first = luopan.dcp.Writer(path, "r", 1)
+    dcp.save({"w": torch.ones(10)}, storage_writer=first)
+    with pytest.raises(CheckpointException, match="already has a checkpoint"):
+        dcp.save({"w": torch.ones(10)}, storage_writer=luopan.dcp.Writer(path, "r", 1))
+    again = luopan.dcp.Writer(path, "r", 2)
+    dcp.save({"w": torch.ones(10)}, storage_writer=again)
+    assert again._repo is first._repo
+    opened.forget()

@@ -383,3 +383,27 @@ def test_parts_use_the_float_codec(tmp_path):
     for k, v in bf16.items():
         assert torch.equal(out[k].view(torch.uint16), v.view(torch.uint16))
     repo.close()
+
+
+def test_parts_store_raw_without_sampling_an_entry_the_codec_did_not_pay_for(tmp_path, monkeypatch):
+    """store_entries follows repo.save's rule: an entry every chunk of which was stored raw last time is stored raw
+    again without asking the codec (a sample per chunk), except about one save in RECHECK_EVERY."""
+    from luopan.repository import chunkwriter
+
+    repo = luopan.open(tmp_path / "r")
+    calls = []
+    real = chunkwriter.encode_blob
+    monkeypatch.setattr(chunkwriter, "encode_blob",
+                        lambda view, *a, **k: calls.append(len(view)) or real(view, *a, **k))
+    g = torch.Generator().manual_seed(0)
+    asked = []
+    for step in range(20):
+        state = [("w", torch.randn(4096, generator=g)), ("b", torch.full((8192,), float(step), dtype=torch.bfloat16))]
+        calls.clear()
+        stored = repo.checkpointing.store_entries(state)
+        asked.append(len(calls))
+        assert {row[5] for row in stored.entries[0]["chunks"]} == {"none"}  # random fp32: raw either way
+        assert {row[5] for row in stored.entries[1]["chunks"]} != {"none"}  # a constant: compressed, asked each time
+    assert asked[0] == 2 and min(asked) == 1
+    assert sum(1 for n in asked[1:] if n == 2) <= 4  # "w" is asked again about one save in 16
+    repo.close()

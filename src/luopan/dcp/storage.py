@@ -31,6 +31,7 @@ from ..format.names import check_run, check_step, escape_key, join_path, manifes
 from ..repo import Repo, open as open_repo
 from ..tree import flatten, unflatten
 from .layout import check_storage, decode_metadata, encode_metadata, index_json
+from .opened import acquire, release
 from .reuse import Reuse
 
 
@@ -76,9 +77,9 @@ class Writer(StorageWriter):
         self._repo: Repo | None = None
 
     def _open(self) -> Repo:
-        """The repository, opened once per Writer (one save) when given a path or URL."""
+        """The repository; one given as a path or URL stays open for this process's next save (luopan.dcp.opened)."""
         if self._repo is None:
-            self._repo = _repo(self.location, create=True)
+            self._repo = acquire(self.location)
         return self._repo
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -93,6 +94,7 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # On the coordinator, before any rank writes: a step that exists is refused now, not after the writes.
         if not self.overwrite and self._open().store.exists(manifest_key(self.run, self.step)):
+            release(self._open())  # this save ends here: the next may have the repository
             raise CheckpointExistsError(f"run {self.run!r} already has a checkpoint at step {self.step}; pass "
                                         "overwrite=True to luopan.dcp.Writer to replace it")
         return plans
@@ -106,6 +108,15 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         repo = self._open()
+        try:
+            out = self._write(repo, plan, planner)
+        finally:
+            release(repo)  # the next save may store through it (this one's finish only commits)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(out)
+        return fut
+
+    def _write(self, repo: Repo, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         reuse = Reuse(repo, self.run) if self.trust_versions else None
         tensors: list[tuple[str, Any]] = []
         results: list[WriteResult] = []
@@ -135,9 +146,7 @@ class Writer(StorageWriter):
                if "path" in r.storage_data else r for r in results]
         if out and stored is not None:  # what this rank wrote travels with its first result
             out[0] = WriteResult(out[0].index, out[0].size_in_bytes, {**out[0].storage_data, "written": stored.written})
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(out)
-        return fut
+        return out
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         repo = self._open()
