@@ -20,18 +20,11 @@ from ..format.manifest import Row
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
 from ..repository.parallel import WORKERS
 from ..store.base import Store
+from .extents import _scratch  # this thread's scratch buffer
 
 if TYPE_CHECKING:  # pragma: no cover  (faiss_codec imports faiss: only a load that needs it does)
     from .faiss_codec import Unsized
 
-_tls = threading.local()
-
-
-def _scratch(size: int) -> memoryview:
-    buf = getattr(_tls, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _tls.buf = bytearray(size)
-    return memoryview(buf)[:size]
 
 
 class _Sizing:

@@ -22,13 +22,13 @@ from ..errors import LuopanError, StorageError, StorageFullError, os_remedy
 from .base import Data, KeyNotFound, Store, Stray, as_parts, check_key, too_large, valid_key
 from .tempfiles import HOST as _HOST
 from .tempfiles import STALE_TMP_SECONDS as STALE_TMP_SECONDS  # doctor's leftovers check reads it here
-from .tempfiles import cleanup_failed, close_quietly, discard, link_new, remove_if_abandoned, try_lock, unlink_quietly
+from .tempfiles import (cleanup_failed, close_quietly, discard, link_new, remove_if_abandoned, try_lock, unlink_quietly,
+                        write_parts)
 from .walk import ABSENT as _ABSENT
 from .flocks import lock_file_for
 from .localstream import LocalStream
 from .walk import TMP_MARK, file_kind as _kind, list_dir, walk
 
-_IOV_MAX = 1024
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -135,18 +135,7 @@ class LocalStore(Store):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try_lock(fd)
-            parts = as_parts(data)
-            i = 0
-            while i < len(parts):
-                batch = parts[i : i + _IOV_MAX]
-                n = os.writev(fd, batch)
-                # advance past what was written (writev may be short)
-                while batch and n >= len(batch[0]):
-                    n -= len(batch[0])
-                    batch.pop(0)
-                    i += 1
-                if batch and n:
-                    parts[i] = parts[i][n:]
+            write_parts(fd, as_parts(data))
             crashpoint(f"{kind}.written")
             os.fsync(fd)
             crashpoint(f"{kind}.fsynced")

@@ -12,10 +12,9 @@ import threading
 from typing import Any
 
 from .._crash import crashpoint
-from .tempfiles import HOST, close_quietly, discard, link_new, try_lock
+from .tempfiles import HOST, close_quietly, discard, link_new, try_lock, write_parts
 from .walk import TMP_MARK
 
-_IOV_MAX = 1024
 SYNC_FILE_RANGE_WRITE = 2
 
 try:  # Linux: start writeback of a piece as soon as it is written, so the fsync at commit finds little left to do
@@ -54,21 +53,8 @@ class LocalStream:
 
     def write_at(self, offset: int, parts: list[memoryview]) -> None:
         """Write ``parts`` (in order) at ``offset``; short writes are continued."""
-        parts = [p for p in parts if len(p)]
-        start = offset
         with self.store._mapping("write", self.key):
-            i = 0
-            while i < len(parts):
-                batch = parts[i : i + _IOV_MAX]
-                n = os.pwritev(self.fd, batch, offset)
-                offset += n
-                while batch and n >= len(batch[0]):
-                    n -= len(batch[0])
-                    batch.pop(0)
-                    i += 1
-                if batch and n:
-                    parts[i] = parts[i][n:]
-            start_writeback(self.fd, start, offset - start)
+            start_writeback(self.fd, offset, write_parts(self.fd, parts, offset))
 
     def commit(self, key: str) -> bool:
         """fsync, then give the file the name ``key`` unless it is taken (False), then fsync its directory."""

@@ -121,3 +121,24 @@ def abandoned_by_pid_or_age(path: str, max_age: float = STALE_TMP_SECONDS) -> bo
     except (IndexError, ValueError, OSError):
         return False
     return (host == HOST and not pid_alive(pid)) or time.time() - mtime > max_age
+
+
+IOV_MAX = 1024  # iovecs per writev/pwritev call (Linux's limit)
+
+
+def write_parts(fd: int, parts: list[memoryview], offset: int | None = None) -> int:
+    """Write ``parts`` in order with ``writev`` (at the file position) or ``pwritev`` (at ``offset``), continuing
+    short writes; returns the bytes written."""
+    parts = [p for p in parts if len(p)]
+    done = i = 0
+    while i < len(parts):
+        batch = parts[i : i + IOV_MAX]
+        n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + done)
+        done += n
+        while batch and n >= len(batch[0]):  # advance past what was written (the call may be short)
+            n -= len(batch[0])
+            batch.pop(0)
+            i += 1
+        if batch and n:
+            parts[i] = parts[i][n:]
+    return done
