@@ -52,25 +52,6 @@ class Lists:
     ids: list[np.ndarray]
 
 
-@dataclass
-class Unsized:
-    """The array inverted lists of an IVF node at ``prefix`` of a loading index, checked against the manifest's
-    counts and not sized yet: ``size(i, n)`` sizes list ``i`` (faiss zero-fills it) and returns writable byte views
-    of its codes and ids (they stay valid while other lists are sized: each list is its own vector)."""
-
-    prefix: str
-    lists: Any
-    code_size: int
-
-    def size(self, i: int, n: int) -> tuple[memoryview, memoryview]:
-        self.lists.resize(i, n)
-        if n == 0:
-            return memoryview(bytearray()), memoryview(bytearray())
-        codes = _view(self.lists.get_codes(i), n * self.code_size, np.uint8)
-        ids = _view(self.lists.get_ids(i), n, np.int64)
-        return memoryview(codes).cast("B"), memoryview(ids.view(np.uint8)).cast("B")
-
-
 def is_faiss_index(obj: object) -> bool:
     return isinstance(obj, faiss.Index)
 
@@ -281,13 +262,12 @@ def ivf_prefixes(index: Any) -> list[tuple[str, int, int]]:
 
 
 def allocate(index: Any, shapes: dict[str, tuple[str, list[int]]], sizes: dict[str, np.ndarray], bad: Bad
-             ) -> tuple[list[tuple[str, np.ndarray]], list[Unsized]]:
-    """Size every array of a deserialized skeleton from the manifest's (dtype, shape) by path, and check every IVF
-    node's lists against ``sizes`` (prefix -> entries per list); returns writable views of faiss's memory to read the
-    chunks into, and the IVF nodes' lists, to be sized list by list as they are filled (``Unsized``). ``bad`` makes
-    the error for a manifest that does not fit."""
+             ) -> tuple[list[tuple[str, np.ndarray]], list[Lists]]:
+    """Size every array of a deserialized skeleton from the manifest's (dtype, shape) by path, and every IVF node's
+    lists from ``sizes`` (prefix -> entries per list); returns writable views of faiss's memory to read the chunks
+    into. ``bad`` makes the error for a manifest that does not fit."""
     out: list[tuple[str, np.ndarray]] = []
-    ivfs: list[Unsized] = []
+    ivfs: list[Lists] = []
     _allocate(_down(index), "", shapes, sizes, bad, out, ivfs)
     return out, ivfs
 
@@ -303,7 +283,7 @@ def _shape(shapes: dict[str, tuple[str, list[int]]], path: str, dtype: str, widt
 
 
 def _allocate(node: Any, prefix: str, shapes: dict[str, tuple[str, list[int]]], sizes: dict[str, np.ndarray],
-              bad: Bad, out: list[tuple[str, np.ndarray]], ivfs: list[Unsized]) -> None:
+              bad: Bad, out: list[tuple[str, np.ndarray]], ivfs: list[Lists]) -> None:
     name = _cls(node)
     if name in FLAT:
         cs = node.code_size
@@ -315,7 +295,9 @@ def _allocate(node: Any, prefix: str, shapes: dict[str, tuple[str, list[int]]], 
         counts = sizes.get(prefix)
         if _cls(lists) != "ArrayInvertedLists" or counts is None or len(counts) != node.nlist:
             raise bad(f"its inverted lists at {prefix or 'the top'} do not match the skeleton")
-        ivfs.append(Unsized(prefix, lists, lists.code_size))
+        for i, n in enumerate(counts.tolist()):
+            lists.resize(i, n)
+        ivfs.append(_lists(node, prefix))
     elif name in HNSW:
         storage = _down(node.storage)
         if _cls(storage) not in FLAT:

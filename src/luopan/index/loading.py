@@ -1,7 +1,6 @@
 """Rebuilding a faiss index from a snapshot manifest: the skeleton deserialized, every array sized in faiss's own
-memory from the manifest, each chunk read and verified straight into it (an IVF node's inverted lists: sized on a
-second thread while their chunks are read, ``fill``), then what faiss's reader checks checked (docs/format.md
-§17.6)."""
+memory from the manifest, each chunk read and verified straight into it, then what faiss's reader checks checked
+(docs/format.md §17.6)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import numpy as np
 from ..errors import CorruptManifestError
 from ..store.base import Store
 from .extents import Gathered, read_into
-from .fill import fill_lists
-from .ivf import check_counts, paths
+from .ivf import check_counts, paths, segment_views
 from .manifest import IDS, SKELETON
 
 
@@ -56,9 +54,11 @@ def build(store: Store, fc: Any, doc: dict[str, Any], key: str, owner: str) -> A
         if extra:
             raise bad(f"entries {sorted(extra)[:5]} belong to no array of a {fc.type_name(index)}")
         targets: list[tuple[dict[str, Any], np.ndarray | Gathered]] = [(entries[p], v) for p, v in views]
+        for node in lists:
+            for k, (codes, ids, _m) in enumerate(segment_views(node, counts_of[node.prefix])):
+                targets.append((entries[f"{node.prefix}ivf/{k}/codes"], codes))
+                targets.append((entries[f"{node.prefix}ivf/{k}/ids"], ids))
         read_into(store, owner, doc, targets)
-        for node in lists:  # sized on a second thread while their chunks are read and verified
-            fill_lists(store, owner, doc, entries, node, counts_of[node.prefix])
         fc.finish(index, doc["fields"], bad)
     if index.ntotal != doc["ntotal"] or index.d != doc["dim"]:
         raise bad(f"it rebuilds {index.ntotal} vectors of dimension {index.d}, it says {doc['ntotal']} of "
