@@ -87,7 +87,8 @@ def test_foundation_suite_reports_the_new_p5_ids(tmp_path, child_env):
     report = json.loads(out.read_text())
     results = {r["id"]: r for r in report["results"]}
     assert set(results) == {"P1.vs_safetensors", "P1.vs_raw_write", "P5.vs_safetensors_into_model",
-                            "P5.cold_vs_safetensors_into_model", "P5.vs_dcp_load", "P5.vs_safetensors_load"}
+                            "P5.cold_vs_safetensors_into_model", "P5.vs_dcp_load", "P5.vs_safetensors_load",
+                            "P5.load_vs_safetensors_load_file"}
     assert not report["problems"], report["problems"]  # every loader returned the saved data
     assert results["P5.vs_safetensors_into_model"]["goal"] == 1.0
     assert results["P5.vs_dcp_load"]["goal"] == 1.5

@@ -5,6 +5,7 @@ and a file there that merely looks like a temporary is never deleted. Linked key
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -41,11 +42,23 @@ def repo_with_links(tmp_path):
     return root, big, moved
 
 
+def _record_scandir(monkeypatch, listed):
+    """Record the directories this thread lists (another test's background thread may list its own meanwhile)."""
+    real, me = os.scandir, threading.get_ident()
+
+    def scandir(path="."):
+        if threading.get_ident() == me:
+            listed.append(os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
 def test_temporaries_are_searched_only_where_luopan_writes(repo_with_links, monkeypatch):
     root, big, moved = repo_with_links
     listed = []
     real = os.scandir
-    monkeypatch.setattr(os, "scandir", lambda path=".": (listed.append(os.fspath(path)), real(path))[1])
+    _record_scandir(monkeypatch, listed)
     found = [p for p, stray in walk(str(root), "", temporaries=True) if stray is None and ".tmp-" in p]
     assert sorted(os.path.basename(os.path.dirname(p)) for p in found) == ["ckpt", "packs"]
     assert not any(str(big) in p or "everything" in p or "junk" in p or "elsewhere" in p for p in listed)
@@ -73,7 +86,7 @@ def test_below_a_followed_link_only_key_directories_are_entered(repo_with_links,
     (big / "ckpt" / DEAD).write_bytes(b"half a manifest of r2")
     listed = []
     real = os.scandir
-    monkeypatch.setattr(os, "scandir", lambda path=".": (listed.append(os.fspath(path)), real(path))[1])
+    _record_scandir(monkeypatch, listed)
     found = sorted(os.path.relpath(p, root) for p, stray in walk(str(root), "", temporaries=True)
                    if stray is None and ".tmp-" in p)
     assert found == [f"packs/{DEAD}", f"runs/r/ckpt/{DEAD}", f"runs/r2/ckpt/{DEAD}"]
