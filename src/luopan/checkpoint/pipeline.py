@@ -75,6 +75,17 @@ def write_checkpoint(ctx: WriteContext, req: SaveRequest) -> SaveResult:
     raise LuopanError(f"run {req.run!r} step {req.step}: delta bases kept failing to read; run `luopan verify`")
 
 
+def _in_host_memory(leaf: Leaf) -> bool:
+    """Whether ``leaf.host_bytes()`` is a view, not a copy (so reading it twice costs no second copy)."""
+    if leaf.frozen is not None:
+        return True
+    obj = leaf.obj
+    if leaf.kind == "numpy":
+        flags = getattr(obj, "flags", None)
+        return bool(flags is not None and flags.c_contiguous and obj.dtype.byteorder != ">")
+    return bool(getattr(obj, "is_cpu", False) and obj.is_contiguous())
+
+
 def _stored_plainly(prev: dict[str, Any] | None, path: str, step: int) -> bool:
     """Whether this entry's chunks are stored as they are without asking the codec: the codec did not pay for any
     of them in the previous save (every row of its previous entry stored raw; docs/format.md §6.1). Asking costs a
@@ -256,7 +267,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         req, chunk_size, policy = self.req, self.ctx.config.chunk_size, self.ctx.policy
         todo = deque(i for i, leaf in enumerate(req.leaves)
                      if leaf.alias_of is None and i not in self.skipped and policy.tracked(leaf)
-                     and (leaf.frozen is not None or leaf.kind == "numpy" or getattr(leaf.obj, "is_cpu", False)))
+                     and _in_host_memory(leaf))
         started: dict[int, Future[list[str]]] = {}
         queued = [0]
 
