@@ -8,7 +8,7 @@ import numpy as np
 
 import luopan
 import luopan.repository.chunkwriter as chunkwriter
-from luopan.checkpoint.pipeline import RECHECK_EVERY, _stored_plainly
+from luopan.repository.chunkwriter import RECHECK_EVERY, stored_plainly
 
 
 def _codecs(repo, step, path="w"):
@@ -20,7 +20,7 @@ def _codecs(repo, step, path="w"):
 def _steps(path, recheck, n=1):
     """Steps whose save asks the codec again about ``path`` (recheck=True), or does not."""
     prev = {"chunks": [["h", 0, 0, 1, 1, "none", "x"]]}
-    return [s for s in range(1, 10 * RECHECK_EVERY) if _stored_plainly(prev, path, s) != recheck][:n]
+    return [s for s in range(1, 10 * RECHECK_EVERY) if stored_plainly(prev, path, s) != recheck][:n]
 
 
 def test_an_entry_that_did_not_compress_is_not_sampled_again(tmp_path, monkeypatch):

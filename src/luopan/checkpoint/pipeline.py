@@ -10,7 +10,6 @@ from datetime import datetime, timezone
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import xxhash
 
 from .. import typed
 from ..tree import Leaf
@@ -20,7 +19,7 @@ from ..format.chunking import chunk_spans
 from ..format.manifest import Row, encode_metrics, structure_fingerprint, uses_new_codecs
 from ..format.names import manifest_key
 from ..format.codecs import encode_blob
-from ..repository.chunkwriter import ChunkWriter, Item
+from ..repository.chunkwriter import ChunkWriter, Item, stored_plainly
 from ..repository.parallel import shared_pool
 from .commit import seal_checkpoint, write_latest_ref
 from .environment import code_version, environment
@@ -35,9 +34,6 @@ from .rowdelta import Decision
 # Chunks below this are hashed on the calling thread (handing one chunk to a worker costs more than hashing it);
 # larger ones go to the workers in groups, so a LoRA re-save of 2,000 20 KiB tensors hashes on every core.
 INLINE_BYTES = 16 << 10
-# An entry the codec did not pay for in the previous save is stored raw without asking it again, except about
-# once in this many saves (_stored_plainly).
-RECHECK_EVERY = 16
 # The XXH3s of delta-tracked entries are computed this far ahead of their planning (_xxh3_ahead).
 PREFETCH_BYTES = 64 << 20
 # Larger chunks go to a worker up to this many bytes per handoff (fewer handoffs; memory ahead stays bounded).
@@ -84,21 +80,6 @@ def _in_host_memory(leaf: Leaf) -> bool:
         flags = getattr(obj, "flags", None)
         return bool(flags is not None and flags.c_contiguous and obj.dtype.byteorder != ">")
     return bool(getattr(obj, "is_cpu", False) and obj.is_contiguous())
-
-
-def _stored_plainly(prev: dict[str, Any] | None, path: str, step: int) -> bool:
-    """Whether this entry's chunks are stored as they are without asking the codec: the codec did not pay for any
-    of them in the previous save (every row of its previous entry stored raw; docs/format.md §6.1). Asking costs a
-    sample of each chunk (~0.1 ms of Python and NumPy per chunk, whatever its size: 0.3-0.4 s of a LoRA re-save of
-    2,048 small changed tensors that stores 17-31 MB). The codec is asked again for about one save in
-    RECHECK_EVERY of each such entry (spread over entries and steps), so content that starts compressing is
-    noticed."""
-    if not prev or "xor" in prev or "delta" in prev:
-        return False
-    rows = prev.get("chunks")
-    if not rows or any(r[5] != "none" for r in rows):
-        return False
-    return xxhash.xxh32_intdigest(f"{path}\0{step}".encode()) % RECHECK_EVERY != 0
 
 
 class _CheckpointWriter(GroupStore, TrackUpdates):
@@ -184,7 +165,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         req, ctx, chunk_size = self.req, self.ctx, self.ctx.config.chunk_size
         compression = ctx.config.compression
         coding = compression.codec != "none"
-        pc = PlanContext(ctx.policy, self._usable, self._read_base, pool, compression.codec != "none",
+        pc = PlanContext(ctx.policy, self._usable, self._read_base, pool, coding,
                          lambda view, width, fast: encode_blob(view, compression, width, fast)[1],
                          ctx.config.format_version >= SEGMENTS_FORMAT_VERSION)
         ahead = self._xxh3_ahead(pool)
@@ -252,7 +233,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
                 xs = dec.xxh
                 if dec.hashes is not None:  # BLAKE3 computed by the plan: reuse it
                     prev = [[h, 0, 0, n, n, "none", x] for h, (_o, n), x in zip(dec.hashes, spans, xs)]
-            if coding and _stored_plainly(ctx.previous.get(leaf.path), leaf.path, req.step):
+            if coding and stored_plainly(ctx.previous.get(leaf.path), leaf.path, req.step):
                 self.chunks.plain.add(i)
             for k, (off, length) in enumerate(spans):
                 r = prev[k] if k < len(prev) else None  # XXH3 reuse (§5.1): (blake3, size, xxh3) of that row

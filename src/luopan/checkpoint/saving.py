@@ -60,7 +60,7 @@ class Saving(CheckpointBase):
         self._versions: dict[str, dict[str, tuple[Any, ...]]] = {}  # run -> path -> tensor version record
         # key path -> (hash, size, xxh3) per chunk this process last stored there in parts (store_entries)
         self._parts_rows: dict[str, list[tuple[str, int, str]]] = {}
-        # key path -> the entry this process last stored there in parts (its rows' codecs: _stored_plainly)
+        # key path -> the entry this process last stored there in parts (its rows' codecs: stored_plainly)
         self._parts_entries: dict[str, dict[str, Any]] = {}
         self._parts_saves = 0  # store_entries calls of this process (spreads the codec's rechecks over them)
         self._staging = Staging()  # host buffer sets and the save_asyncs in flight (luopan.checkpoint.staging)

@@ -287,36 +287,24 @@ def locked(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT_
     is ``flock(LOCK_SH)`` on ``locks/flock`` — unless a record blocks it (an exclusive locker, or a damaged record),
     then the record protocol decides as before — and an exclusive lock is the record and ``flock(LOCK_EX)``."""
     path = _lock_path(store)
-    if path is None:
-        lock: Lock | FileLock = acquire(store, kind, op, timeout=timeout, where=where)
-        try:
-            yield lock
-        finally:
-            lock.release()
-        return
     deadline = None if timeout is None else time.monotonic() + timeout
-    if kind == "shared":
+    if path is not None and kind == "shared":
         try:
             held = try_flock(path, "shared", op, deadline)
         except OSError:  # the lock file cannot be opened (a read-only or full disk): records decide, typed errors
-            held, path = None, None
-        if held is not None and not _survey(store, kind, None)[0]:
-            try:
-                yield held
-            finally:
-                held.release()
-            return
+            held = None
         if held is not None:
+            if not _survey(store, kind, None)[0]:
+                with held:
+                    yield held
+                return
             held.release()  # a record is in the way: wait on the records, as lockers without flock do
-        lock = acquire(store, kind, op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
-                       where=where)
-        try:
-            yield lock
-        finally:
-            lock.release()
-        return
-    record = acquire(store, kind, op, timeout=timeout, where=where)
-    try:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        path = None
+    with acquire(store, kind, op, timeout=timeout, where=where) as record:
+        if path is None:
+            yield record
+            return
         try:
             held = try_flock(path, "exclusive", op, deadline)
         except OSError as exc:
@@ -328,12 +316,8 @@ def locked(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT_
             repo = where or store.describe()
             raise LockedError(f"cannot take an exclusive lock for {op} on {repo}: a save is running (process "
                               f"{', '.join(map(str, pids)) or 'unknown'} holds {path}); wait for it to finish")
-        try:
+        with held:
             yield record
-        finally:
-            held.release()
-    finally:
-        record.release()
 
 
 def _lock_path(store: Store) -> str | None:

@@ -78,6 +78,7 @@ class PackWriter:
     def _send(self) -> None:
         parts, at = self._pending, self._pending_at
         self._pending, self._pending_at, self._pending_bytes = [], at + self._pending_bytes, 0
+        self.builder.parts.clear()  # the write holds these until it is done; the builder keeps only the layout
         self._writes.append(self._writer.submit(self._stream.write_at, at, parts))
 
     def flush(self) -> None:
@@ -88,7 +89,6 @@ class PackWriter:
         self._pending += parts[-2:]  # the trailer and footer, right after the last blob
         self._send()
         stream, writes = self._stream, self._writes
-        b.parts = []  # the writes hold the data until it is durable; the builder keeps only the layout
         self.builder, self.raw_bytes, self._stream, self._writes = PackBuilder(), 0, None, []
         while len(self._inflight) >= PACK_WRITES_IN_FLIGHT:
             self._inflight.popleft().result()

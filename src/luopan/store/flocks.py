@@ -56,8 +56,6 @@ def lock_file_for(root: str) -> str | None:
 class FileLock:
     """A held ``flock`` on a repository's lock file; ``release`` (or the holder's exit) drops it."""
 
-    kind: str
-
     def __init__(self, fd: int, kind: str, op: str) -> None:
         self.fd, self.kind, self.op = fd, kind, op
 
@@ -105,11 +103,10 @@ def try_flock(path: str, kind: str, op: str, deadline: float | None) -> FileLock
             time.sleep(pause * (0.5 + random.random()))
             pause = min(pause * 1.5, 0.25)
     except BaseException:
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        try:
+            os.close(fd)
+        except OSError:
+            pass
         raise
 
 

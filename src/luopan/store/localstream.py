@@ -35,7 +35,9 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 class LocalStream:
     def __init__(self, store: Any, directory: str, kind: str) -> None:
         """A temp file in ``directory`` (a key prefix such as "packs"); ``kind`` names its crash points."""
-        self.store, self.kind, self.directory = store, kind, directory
+        self.store, self.kind = store, kind
+        self._lock = threading.Lock()
+        self._done = False  # committed or discarded
         d = store._path(directory)
         name = f"new.{kind}{TMP_MARK}{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
         self.key = f"{directory}/{name}"  # for error messages: "no space left … while writing packs/new.pack.tmp-…"
@@ -48,8 +50,6 @@ class LocalStream:
             except BaseException:
                 self.discard()
                 raise
-        self._lock = threading.Lock()
-        self._done = False
 
     def write_at(self, offset: int, parts: list[memoryview]) -> None:
         """Write ``parts`` (in order) at ``offset``; short writes are continued."""
@@ -83,8 +83,8 @@ class LocalStream:
 
     def discard(self) -> None:
         """Drop the temp file (a failed or abandoned write)."""
-        with getattr(self, "_lock", threading.Lock()):
-            if getattr(self, "_done", False):
+        with self._lock:
+            if self._done:
                 return
             self._done = True
         close_quietly(self.fd)

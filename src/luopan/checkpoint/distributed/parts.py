@@ -16,13 +16,12 @@ from ...format.chunking import chunk_spans
 from ...format.manifest import encode_metrics, parse_manifest, structure_fingerprint
 from ...format.names import check_run, check_step, manifest_key, pack_key
 from ...format.pack import ENGINE2_CODECS
-from ...repository.chunkwriter import ChunkWriter
+from ...repository.chunkwriter import ChunkWriter, stored_plainly
 from ...tree import flatten
 from ..commit import seal_checkpoint, write_latest_ref
 from ..environment import code_version, environment
 from ..info import CheckpointInfo
 from ..kind import CHECKPOINTS
-from ..pipeline import _stored_plainly
 from ..saving import Saving, refuse_pinned
 
 
@@ -65,7 +64,7 @@ class Parts(Saving):
             chunks.itemsizes[i] = leaf.itemsize
             # as repo.save: an entry the codec did not pay for last time is stored raw without sampling each chunk
             # again (~0.1 ms a chunk: 5 of a 2-rank DCP re-save's ~50 ms), rechecked about one save in 16
-            if coding and _stored_plainly(self._parts_entries.get(leaf.path), leaf.path, self._parts_saves):
+            if coding and stored_plainly(self._parts_entries.get(leaf.path), leaf.path, self._parts_saves):
                 chunks.plain.add(i)
 
         def items() -> Any:
