@@ -121,10 +121,11 @@ class Repo:
 
     def verify(self, run: str | None = None, step: int | None = None, *,
                progress: Callable[[int], Any] | None = None, on_total: Callable[[int], Any] | None = None,
-               trusted_keys: Any = None) -> VerifyReport:
-        """Read back and check every chunk of every manifest (of ``run``, of ``step``); see
-        ``luopan.checkpoint.Checkpoints.verify``."""
-        return self.checkpointing.verify(run, step, progress=progress, on_total=on_total, trusted_keys=trusted_keys)
+               trusted_keys: Any = None, structure: bool = False) -> VerifyReport:
+        """Read back and check every chunk of every manifest (of ``run``, of ``step``); ``structure=True``: the
+        manifests and every row against its pack, no chunk read. See ``luopan.checkpoint.Checkpoints.verify``."""
+        return self.checkpointing.verify(run, step, progress=progress, on_total=on_total, trusted_keys=trusted_keys,
+                                         structure=structure)
 
     def checkpoints(self, run: str) -> list[CheckpointInfo]:
         """The committed checkpoints of ``run``, oldest first."""

@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import IntegrityError, StorageError
 from ..format.canonical import sealed_checksum
 from ..format.limits import MAX_RECORD_BYTES, MAX_SMALL_BYTES
-from ..format.manifest import parse_manifest
+from ..format.manifest import parse_manifest, parse_manifest_shallow
 from ..format.names import check_run, latest_ref_key, manifest_key, pin_key, record_key
 from ..format.refs import build_ref, parse_ref
 from ..repository.chunkio import blob_reader
@@ -23,6 +23,10 @@ def _scan(store: Store, series: str | None, strays: bool) -> Catalog:
 
 def _parse(data: bytes, key: str, run: str, step: int, store: Store | None = None) -> dict[str, Any]:
     return parse_manifest(data, key, run, step, None if store is None else blob_reader(store, f"manifest {key}")).doc
+
+
+def _shallow(data: bytes, key: str, run: str | None, step: int | None) -> dict[str, Any]:
+    return parse_manifest_shallow(data, key, run, step)
 
 
 def _companions(run: str, step: int) -> list[tuple[str, int]]:
@@ -48,5 +52,6 @@ def _rewritten(store: Store, run: str, step: int, data: bytes) -> None:
 CHECKPOINTS = Kind(
     name="checkpoint", root=catalog.RUNS, series_noun="run", number_noun="step", manifest_key=manifest_key,
     scan=_scan, parse=_parse, pin_key=pin_key, check_series=check_run, companions=_companions, rewritten=_rewritten,
+    shallow=_shallow,
     marker="",
 )

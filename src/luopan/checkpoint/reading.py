@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import CheckpointNotFoundError, StateMismatchError
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.manifest import Manifest, parse_manifest
+from ..format.manifest import Manifest, parse_manifest, parse_manifest_header
 from ..format.names import check_run, check_step, manifest_key
 from ..repository.chunkio import blob_reader, read_chunks
 from .base import CheckpointBase
@@ -90,11 +90,21 @@ class Reading(CheckpointBase):
 
     def checkpoints(self, run: str) -> list[CheckpointInfo]:
         """Committed checkpoints of ``run``, oldest step first. A damaged manifest raises CorruptManifestError."""
-        out = []
-        for step in self.steps(run):
-            m = self.manifest(run, step)
-            out.append(CheckpointInfo.from_manifest(m, manifest_key(run, step)))
-        return out
+        return [self.info(run, step) for step in self.steps(run)]
+
+    def info(self, run: str, step: int) -> CheckpointInfo:
+        """What listing reports of one committed checkpoint, read from its manifest's own file alone (sealed, so
+        any damage to it is found; its entry groups are not read: ``verify`` and loads check them). Listing a
+        thousand checkpoints costs their manifests' bytes, not their chunk rows. CheckpointNotFoundError when there
+        is none; CorruptManifestError when it is damaged."""
+        check_run(run)
+        step = check_step(step)
+        key = manifest_key(run, step)
+        try:
+            data = self.store.get_limited(key, MAX_MANIFEST_BYTES)
+        except KeyNotFound:
+            raise CheckpointNotFoundError(self._no_checkpoint(run, step)) from None
+        return CheckpointInfo.from_manifest(Manifest(parse_manifest_header(data, key, run, step)), key)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def load(self, run: str, step: int | None = None) -> Any:

@@ -11,7 +11,6 @@ from ..artifact import artifact_names
 from ..checkpoint import CheckpointInfo, diff_manifests, list_resumes
 from ..repo import Repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
-from ..format.names import manifest_key
 from .artifact import KindOpt, is_artifact_target, print_log
 from .app import (
     JsonOpt,
@@ -152,7 +151,7 @@ def _checkpoints(r: Repo, run: str) -> tuple[list[CheckpointInfo], list[tuple[in
     infos, damaged = [], []
     for step in r.steps(run):
         try:
-            infos.append(CheckpointInfo.from_manifest(r.manifest(run, step), manifest_key(run, step)))
+            infos.append(r.checkpointing.info(run, step))  # the manifest's own file: its groups are not read
         except (IntegrityError, UnsupportedFormatError, StorageError) as exc:
             damaged.append((step, str(exc)))
     return infos, damaged

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import blake3
 
@@ -64,10 +64,20 @@ def map_rows(entry: dict[str, Any], pack: Callable[[Any], int]) -> dict[str, Any
 
 
 def group_blob(members: list[tuple[int, dict[str, Any]]], packs: list[str]) -> bytes:
-    """The raw bytes of one group: ``members`` are (index, entry) with rows naming ``packs`` (the manifest's)."""
+    """The raw bytes of one group: ``members`` are (index, entry) with rows naming ``packs`` (the manifest's) by
+    index, or naming pack ids (an entry carried from the previous save: luopan.checkpoint.carry)."""
+    return group_blob_packs(members, packs)[0]
+
+
+def group_blob_packs(members: list[tuple[int, dict[str, Any]]], packs: list[str]) -> tuple[bytes, list[str]]:
+    """:func:`group_blob`, and the pack ids its rows name (the group's own ``packs``)."""
     local: dict[str, int] = {}
-    rows = [[i, map_rows(e, lambda p: local.setdefault(packs[p], len(local)))] for i, e in members]
-    return canonical({"entries": rows, "packs": list(local)})
+
+    def pack(p: Any) -> int:
+        return local.setdefault(p if isinstance(p, str) else packs[p], len(local))
+
+    rows = [[i, map_rows(e, pack)] for i, e in members]
+    return canonical({"entries": rows, "packs": list(local)}), list(local)
 
 
 def estimated_bytes(entry: dict[str, Any]) -> int:
@@ -86,20 +96,23 @@ def _cut_after(path: str) -> bool:
     return blake3.blake3(path.encode("utf-8", "surrogatepass")).digest()[0] % CUT_MODULUS == 0
 
 
-def plan_groups(entries: list[dict[str, Any]], packs: list[str], previous: dict[str, dict[str, Any]]) -> list[list[int]]:
+def plan_groups(entries: list[dict[str, Any]], packs: list[str], previous: dict[str, dict[str, Any]],
+                same: Callable[[int], bool] | None = None) -> list[list[int]]:
     """Entry indices of each group to write for ``entries`` (rows naming ``packs``, the manifest's): the entries
     equal to the previous save's entry of the same path (``previous``: path -> entry with rows naming pack ids, see
     :func:`with_pack_ids`), cut at content-defined points. The others stay inline in the manifest: they changed, so
     a group of them would most likely not be named again, and inline they compress with the whole manifest.
     Deterministic: the same unchanged entries give the same groups, and so the same blobs. Which group an entry
-    lands in never changes what a reader gets, only what the next save can share."""
+    lands in never changes what a reader gets, only what the next save can share. ``same(i)``: entry ``i`` is known
+    equal to the previous one without comparing (carried: its rows already name pack ids)."""
     out: list[list[int]] = []
     group: list[int] = []
     size = 0
     for i, e in enumerate(entries):
-        before = previous.get(e["path"])
-        if before is None or map_rows(e, packs.__getitem__) != before:
-            continue
+        if not (same is not None and same(i)):
+            before = previous.get(e["path"])
+            if before is None or map_rows(e, packs.__getitem__) != before:
+                continue
         n = estimated_bytes(e)
         if n > GROUP_TARGET_BYTES:
             continue  # too large for any group: inline
@@ -228,6 +241,112 @@ def expand(doc: dict[str, Any], read: ReadBlob | None, where: str) -> None:
         raise bad(f"its entry groups name entry {max(entries)} of {n}")
     rest = iter(inline)
     doc["entries"] = [entries[i] if i in entries else next(rest) for i in range(n)]
+
+
+def parse_group(data: bytes, h: str, where: str) -> tuple[list[tuple[int, dict[str, Any]]], list[str]]:
+    """(members as (entry index, entry whose rows name the group's own packs by index), the group's pack ids) of a
+    group blob's raw bytes, already checked against its address ``h``. CorruptManifestError when it is not the
+    canonical JSON of a group, or gives an entry index twice."""
+    try:
+        blob = parse_object(data)
+        if canonical(blob) != data:
+            raise ValueError("not canonical JSON")
+        if set(blob) != {"entries", "packs"}:
+            raise TypeError("not a group")
+        local, members = blob["packs"], blob["entries"]
+        if not isinstance(local, list) or not isinstance(members, list) or not all(isinstance(p, str) for p in local):
+            raise TypeError("not a group")
+        out: list[tuple[int, dict[str, Any]]] = []
+        seen: set[int] = set()
+        for m in members:
+            i, e = m
+            if type(i) is not int or not isinstance(e, dict) or i in seen or not 0 <= i < (1 << 40):
+                raise TypeError(f"entry index {str(i)[:20]} repeated or invalid")
+            seen.add(i)
+            out.append((i, e))
+    except (SealError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise CorruptManifestError(f"manifest {where}: entry group {h[:16]}… is malformed "
+                                   f"({type(exc).__name__}: {str(exc)[:80]})") from None
+    return out, local
+
+
+Rows = dict[str, dict[str, tuple[int, int, int, str]]]  # pack id -> chunk hash -> (offset, length, size, codec)
+
+
+class Group(NamedTuple):
+    """One entry group as operations over many manifests see it (:class:`GroupMemo`)."""
+
+    hash: str
+    indices: frozenset[int]  # the manifest entry indices it holds
+    packs: tuple[str, ...]  # the pack ids its rows name
+    rows: Rows  # its entries' chunk rows by pack id
+    structure: tuple[tuple[int, tuple[Any, ...]], ...]  # (entry index, (path, kind, dtype, shape)) of its entries
+
+
+class GroupMemo:
+    """Entry groups read and checked once each, by content address, for operations over many manifests (gc
+    marking, ``verify --structure``): a run's manifests name the same groups save after save, so reading every
+    manifest's groups whole would cost every checkpoint's chunk rows again. ``check(members, packs, where)`` (optional)
+    validates a group's entries further the first time it is read."""
+
+    def __init__(self, check: Callable[[list[tuple[int, dict[str, Any]]], list[str], str], None] | None = None) -> None:
+        self.groups: dict[str, Group] = {}
+        self.check = check
+
+    def of(self, doc: dict[str, Any], read: ReadBlob, where: str) -> list[Group]:
+        """The groups of a manifest document parsed without expanding them (its ``entries`` the inline ones): each
+        read once, checked against its address, well-formed, every pack it names listed by the manifest, no entry
+        index given twice or beyond the manifest's entries. CorruptManifestError otherwise (a missing or damaged
+        pack: the reader's typed errors)."""
+        out: list[Group] = []
+        packs, n_inline = doc["packs"], len(doc.get("entries", []))
+        listed = set(packs)
+        taken = 0
+        held: set[int] = set()
+        for row in doc.get("groups", []):
+            g = self.groups.get(row[0])
+            if g is None:
+                g = self._read(row, packs, read, where)
+                self.groups[row[0]] = g
+            if not listed.issuperset(g.packs):
+                raise CorruptManifestError(f"manifest {where}: entry group {row[0][:16]}… names a pack the manifest "
+                                           "does not list")
+            if held & g.indices:
+                raise CorruptManifestError(f"manifest {where}: two entry groups hold entry {min(held & g.indices)}")
+            held |= g.indices
+            taken += len(g.indices)
+            out.append(g)
+        if held and max(held) >= taken + n_inline:
+            raise CorruptManifestError(f"manifest {where}: its entry groups name entry {max(held)} of "
+                                       f"{taken + n_inline}")
+        return out
+
+    def _read(self, row: list[Any], packs: list[str], read: ReadBlob, where: str) -> Group:
+        if not (chunk_row_ok(row, 1 << 48) and 0 < row[4] <= MAX_GROUP_BYTES and row[5] in ("none", "zstd")
+                and row[1] < len(packs)):
+            raise CorruptManifestError(f"manifest {where}: entry group row {str(row)[:120]} is malformed")
+        data = read(packs[row[1]], row)
+        if blake3.blake3(data).hexdigest() != row[0]:  # the reader checks too: never trust one that forgot
+            raise CorruptManifestError(f"manifest {where}: entry group {row[0][:16]}… does not hash to its address")
+        members, local = parse_group(data, row[0], where)
+        rows: Rows = {}
+        for _i, e in members:
+            for path in _ROW_MEMBERS:
+                holder = e.get(path[0]) if len(path) == 2 else e
+                found = holder.get(path[-1]) if isinstance(holder, dict) else None
+                for r in found if isinstance(found, list) else ():
+                    if not (chunk_row_ok(r, 1 << 48) and r[1] < len(local)):
+                        raise CorruptManifestError(f"manifest {where}: entry group {row[0][:16]}… has a malformed "
+                                                   f"chunk row {str(r)[:120]}")
+                    rows.setdefault(local[r[1]], {})[r[0]] = (r[2], r[3], r[4], r[5])
+        if self.check is not None:
+            self.check(members, local, where)
+        try:
+            structure = tuple((i, (e["path"], e["kind"], e["dtype"], list(e["shape"]))) for i, e in members)
+        except (KeyError, TypeError) as exc:
+            raise CorruptManifestError(f"manifest {where}: entry group {row[0][:16]}… has a malformed entry "
+                                       f"({type(exc).__name__}: {str(exc)[:80]})") from None
+        return Group(row[0], frozenset(i for i, _e in members), tuple(local), rows, structure)
 
 
 def group_rows(doc: dict[str, Any]) -> list[list[Any]]:

@@ -128,12 +128,21 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
                    read: ReadBlob | None = None) -> Manifest:
     """Parse and fully validate manifest bytes read from ``where``; typed errors name the file. A grouped manifest
     (§8.5) has its entry groups read through ``read`` and expanded: the document has ``entries`` either way."""
+    return Manifest(_validated(_opened(data, where), where, run, step, read))
+
+
+def _opened(data: bytes, where: str) -> dict[str, Any]:
+    """The sealed document of manifest bytes (inflated, seal checked, not newer than this reader)."""
     try:
         obj = parse_object(inflate_json(data, MAX_MANIFEST_BYTES))
         refuse_newer(obj, where)
-        doc = verify_seal(obj)
+        return verify_seal(obj)
     except SealError as exc:
         raise CorruptManifestError(f"manifest {where} is damaged: {exc}") from None
+
+
+def _validated(doc: dict[str, Any], where: str, run: str | None, step: int | None,
+               read: ReadBlob | None) -> dict[str, Any]:
     if "groups" in doc:
         if not isinstance(doc.get("format_version"), int) or doc["format_version"] < GROUPS_FORMAT_VERSION:
             raise CorruptManifestError(f"manifest {where} has entry groups, which its format_version "
@@ -153,7 +162,73 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
         raise CorruptManifestError(
             f"manifest {where} names run {doc['run']!r} step {doc['step']}, not its location's {run!r} step {step}"
         )
-    return Manifest(doc)
+    return doc
+
+
+def parse_manifest_header(data: bytes, where: str, run: str, step: int) -> dict[str, Any]:
+    """What listing needs of a manifest (run, step, created, metrics, stats, fingerprint), checked as a load checks
+    what it reads, but without reading a grouped manifest's entry groups (§8.5): its own file is checked whole (seal,
+    schema, its inline entries as a load checks them), so listing many checkpoints costs their files, not every
+    checkpoint's chunk rows again; ``verify`` and every read check the groups. A manifest without groups is parsed
+    as by :func:`parse_manifest`. Returns the document (a grouped one's ``entries`` are its inline ones only);
+    CorruptManifestError as :func:`parse_manifest`."""
+    doc = _opened(data, where)
+    if "groups" not in doc:
+        return _validated(doc, where, run, step, None)
+    doc = _shallow(doc, where, run, step)
+    check_entries(list(enumerate(doc["entries"])), doc["packs"], where)
+    return doc
+
+
+def parse_manifest_shallow(data: bytes, where: str, run: str | None = None, step: int | None = None) -> dict[str, Any]:
+    """A manifest as gc, du and ``verify --structure`` read many of them: sealed (any damage to the file is found),
+    every member validated by the schema, its inline entries and the rows of its entry groups included, but the
+    groups (§8.5) not read: ``entries`` holds the inline entries only, and the caller reads each distinct group once
+    (:class:`luopan.format.groups.GroupMemo`). Never for loading: the entries are incomplete. CorruptManifestError
+    as :func:`parse_manifest`."""
+    return _shallow(_opened(data, where), where, run, step)
+
+
+def _shallow(doc: dict[str, Any], where: str, run: str | None, step: int | None) -> dict[str, Any]:
+    if "groups" in doc and (not isinstance(doc.get("format_version"), int)
+                            or doc["format_version"] < GROUPS_FORMAT_VERSION):
+        raise CorruptManifestError(f"manifest {where} has entry groups, which its format_version "
+                                   f"{str(doc.get('format_version'))[:20]!r} lacks (they need 6)")
+    try:
+        _validator()(doc)
+    except JsonSchemaException as e:
+        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
+    except RecursionError:
+        raise CorruptManifestError(f"manifest {where}: its tree is nested too deeply") from None
+    npacks = len(doc["packs"])
+    for r in manifest_rows(doc):
+        if r.pack >= npacks:
+            raise CorruptManifestError(f"manifest {where}: a chunk row names pack {r.pack} of {npacks}")
+    if run is not None and (doc["run"], doc["step"]) != (run, step):
+        raise CorruptManifestError(
+            f"manifest {where} names run {doc['run']!r} step {doc['step']}, not its location's {run!r} step {step}")
+    return doc
+
+
+_STATS = ("logical_bytes", "chunks", "new_chunks", "new_bytes", "stored_bytes", "new_packs")
+
+
+def check_entries(members: list[tuple[int, dict[str, Any]]], packs: list[str], where: str) -> None:
+    """What a load checks of entries, on some entries alone (an entry group's, once per group; a shallow manifest's
+    inline ones): the schema and the consistency checks of §8, rows naming ``packs`` by index. Aliases are left to
+    the whole manifest (they name its other entries), and so are the checks that need its format_version.
+    CorruptManifestError naming ``where``."""
+    doc = {"format_version": SEGMENTS_FORMAT_VERSION, "run": "r", "step": 0, "created": "2000-01-01T00:00:00+00:00",
+           "entries": [e for _i, e in members if "alias_of" not in e], "packs": list(packs), "tree": {"dict": []},
+           "fingerprint": "blake3:" + "0" * 64, "metrics": {}, "metadata": {}, "environment": {},
+           "stats": dict.fromkeys(_STATS, 0)}
+    try:
+        _validator()(doc)
+    except JsonSchemaException as e:
+        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
+    except RecursionError:
+        raise CorruptManifestError(f"manifest {where}: an entry is nested too deeply") from None
+    _check_consistency(doc, where)
 
 
 class Row(NamedTuple):

@@ -29,96 +29,32 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crashpoint
-from ..errors import (
-    CorruptRepoError,
-    GcError,
-    IntegrityError,
-    ManifestNameError,
-    StorageError,
-    UnsupportedFormatError,
-    UsageError,
-)
+from ..errors import CorruptRepoError, IntegrityError, StorageError, UsageError
 from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION
 from ..format.canonical import SealError, seal, unseal
 from ..format.manifest import seal_manifest
 from ..format.index import build_index, parse_index
-from ..format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+from ..format.limits import MAX_CONDEMNED_BYTES, MAX_INDEX_BYTES
 from ..format.names import (
     CONDEMNED_KEY,
     index_key,
     is_hex64,
     is_index_key,
-    is_pack_key,
     pack_key,
 )
 from ..format.pack import HEADER_SIZE
 from ..store.base import KeyNotFound, Store
 from .gcreport import GcReport
-from .kinds import Kind, Opened, rows_by_pack
+from .kinds import Opened
+from .marking import Marked, Marks, Rows, full_doc, live_rows, mark
 from .locks import locked
 from .repack import relocated, repack, trailer_blobs
 
 DEFAULT_GRACE = 3600.0
 DEFAULT_REPACK_BELOW = 0.5
-
-
-@dataclass
-class Marked:
-    """One committed manifest gc read: its kind, series, number, key and document."""
-
-    kind: Kind
-    series: str
-    number: int
-    key: str
-    doc: dict[str, Any]
-
-
-def all_manifests(store: Store, kinds: tuple[Kind, ...]) -> list[Marked]:
-    return mark_sources(store, kinds)[0]
-
-
-def mark_sources(store: Store, kinds: tuple[Kind, ...], unloadable: list[str] | None = None
-                 ) -> tuple[list[Marked], list[dict[str, Any]]]:
-    """Every committed manifest of every kind, parsed, from each kind's catalog walk; and the readable manifests found
-    under stray series directories (``runs/a copy/``: not committed, but someone may rename them back, so what they
-    reference is kept and never repacked). A committed manifest whose only fault is a name the name rule refuses
-    (ManifestNameError: its references are known) joins the second list, and its message ``unloadable``. GcError,
-    before anything changes, when a walk could not see the whole repository (a dangling link or unreadable directory
-    may hold manifests) or a manifest cannot be read: gc would otherwise delete data they need."""
-    out: list[Marked] = []
-    shadows: list[dict[str, Any]] = []
-    for kind in kinds:
-        cat = kind.scan(store, None, True)
-        if cat.incomplete:
-            shown = "; ".join(str(s) for s in cat.incomplete[:5])
-            raise GcError(f"gc stopped before deleting anything: part of {kind.root} cannot be read ({shown}), so gc "
-                          f"cannot tell which data the {kind.name}s there need; mount or restore it (or remove the "
-                          "link), then run gc again")
-        for series, number in cat.pairs():
-            key = kind.manifest_key(series, number)
-            try:
-                out.append(Marked(kind, series, number, key,
-                                  kind.parse(store.get_limited(key, MAX_MANIFEST_BYTES), key, series, number, store)))
-            except KeyNotFound:
-                continue  # pruned since the listing
-            except ManifestNameError as exc:  # loads nowhere, but what it needs is known: kept, never repacked
-                shadows.append(exc.doc)
-                if unloadable is not None:
-                    unloadable.append(str(exc))
-            except (IntegrityError, StorageError, UnsupportedFormatError) as exc:
-                raise GcError(f"gc stopped before deleting anything: {exc}\ngc cannot tell which data a damaged or "
-                              f"unreadable {kind.name} needs; restore that manifest (or its permissions), or remove "
-                              f"it (`luopan prune`, or delete {key}), then run gc again") from None
-        for key in cat.shadows:
-            try:
-                shadows.append(kind.parse(store.get_limited(key, MAX_MANIFEST_BYTES), key, None, None, store))
-            except (IntegrityError, StorageError, UnsupportedFormatError, KeyNotFound):
-                continue  # not a readable manifest: it references nothing
-    return out, shadows
 
 
 def parse_condemned(data: bytes, where: str = CONDEMNED_KEY) -> dict[str, float]:
@@ -149,10 +85,6 @@ def _write_condemned(store: Store, packs: dict[str, float]) -> None:
         store.delete(CONDEMNED_KEY)
         return
     store.put(CONDEMNED_KEY, seal({"format_version": BASE_FORMAT_VERSION, "packs": dict(sorted(packs.items()))}))
-
-
-def list_packs(store: Store) -> dict[str, str]:
-    return {key.rsplit("/", 1)[-1][:-5]: key for key in store.list("packs/") if is_pack_key(key)}
 
 
 def collect(
@@ -186,21 +118,6 @@ def collect(
         return _collect(store, repo, grace, repack_below, False, now, log)
 
 
-Rows = dict[str, dict[str, tuple[int, int, int, str]]]  # pack -> hash -> (offset, length, size, codec)
-
-
-@dataclass
-class _Marks:
-    """What the mark phase found; the repack phase updates it as live blobs move to new packs."""
-
-    manifests: list[Marked]
-    users: dict[str, list[int]]  # pack -> indices into manifests
-    live: Rows  # packs committed manifests name
-    kept: Rows  # packs stray manifests name: live, never repacked
-    packs: dict[str, str]  # pack id -> key, of the packs in the store
-    sizes: dict[str, int]  # pack id -> bytes
-
-
 class _Clock:
     """Adds the seconds each phase took to ``report.seconds``."""
 
@@ -223,7 +140,9 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
         store.cleanup_temporaries()
     # -- 1. mark --------------------------------------------------------------------------------------------------
     say("mark: reading manifests")
-    marks = _mark(store, repo.kinds, report)
+    marks = mark(store, repo.kinds, report)
+    for problem in report.unloadable_manifests:
+        warnings.warn(f"gc keeps everything this manifest references: {problem}", stacklevel=3)  # at collect()
     clock.phase("mark")
     crashpoint("gc.marked")
     # -- 2. repack ------------------------------------------------------------------------------------------------
@@ -245,44 +164,7 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
     return report
 
 
-def _live_rows(docs: list[dict[str, Any]]) -> Rows:
-    out: Rows = {}
-    for doc in docs:
-        for pack, rows in rows_by_pack(doc).items():
-            out.setdefault(pack, {}).update(rows)
-    return out
-
-
-def _mark(store: Store, kinds: tuple[Kind, ...], report: GcReport) -> _Marks:
-    """Phase 1: read every manifest (mark_sources), note which packs they need and list the packs there are."""
-    manifests, shadows = mark_sources(store, kinds, report.unloadable_manifests)
-    for problem in report.unloadable_manifests:
-        warnings.warn(f"gc keeps everything this manifest references: {problem}", stacklevel=3)  # at collect(), as before
-    report.manifests = len(manifests)
-    report.stray_manifests = len(shadows) - len(report.unloadable_manifests)
-    live: Rows = {}
-    users: dict[str, list[int]] = {}
-    for i, m in enumerate(manifests):
-        for pack, rows in rows_by_pack(m.doc).items():
-            live.setdefault(pack, {}).update(rows)
-            users.setdefault(pack, []).append(i)
-    kept = _live_rows(shadows)
-    packs = list_packs(store)
-    sizes: dict[str, int] = {}
-    for pack, key in packs.items():
-        try:
-            sizes[pack] = store.size(key)
-        except KeyNotFound:
-            continue
-    packs = {p: k for p, k in packs.items() if p in sizes}
-    report.packs = len(packs)
-    report.pack_bytes = sum(sizes.values())
-    report.live_packs = sum(1 for p in packs if p in live)
-    report.live_bytes = sum(length for p in live if p in packs for _o, length, _s, _c in live[p].values())
-    return _Marks(manifests, users, live, kept, packs, sizes)
-
-
-def _repack_sparse(store: Store, repo: Opened, marks: _Marks, repack_below: float, dry_run: bool, report: GcReport,
+def _repack_sparse(store: Store, repo: Opened, marks: Marks, repack_below: float, dry_run: bool, report: GcReport,
                    say: Callable[[str], Any], clock: _Clock) -> tuple[list[str], dict[str, list[dict[str, Any]]]]:
     """Phase 2: copy the live blobs of packs under ``repack_below`` live to new packs and rewrite the manifests naming
     them (a dry run only counts). Returns the sparse packs and the new packs' index rows."""
@@ -297,7 +179,7 @@ def _repack_sparse(store: Store, repo: Opened, marks: _Marks, repack_below: floa
         clock.phase("repack.copy")
         crashpoint("gc.repack.packs")
         report.manifests_rewritten = _rewrite_manifests(store, repo, marks, sparse, moved)
-        marks.live = _live_rows([m.doc for m in marks.manifests])
+        marks.live = live_rows(store, marks)
         marks.packs.update({p: pack_key(p) for p in new_packs})
         for p in new_packs:
             sizes[p] = store.size(pack_key(p))
@@ -310,7 +192,7 @@ def _repack_sparse(store: Store, repo: Opened, marks: _Marks, repack_below: floa
     return sparse, new_packs
 
 
-def _rewrite_manifests(store: Store, repo: Opened, marks: _Marks, sparse: list[str],
+def _rewrite_manifests(store: Store, repo: Opened, marks: Marks, sparse: list[str],
                        moved: dict[tuple[str, str], tuple[str, int, int, int, str]]) -> int:
     """Rewrite each manifest naming a repacked pack with its blobs' new locations (``moved``: (old pack, hash) -> new
     location); returns how many were rewritten."""
@@ -318,7 +200,7 @@ def _rewrite_manifests(store: Store, repo: Opened, marks: _Marks, sparse: list[s
     touched = sorted({i for p in sparse for i in marks.users.get(p, [])})
     for i in touched:
         m = marks.manifests[i]
-        doc = relocated(m.doc, moved)
+        doc = relocated(full_doc(store, m), moved)
         if doc is None:
             continue
         # checkpoint manifests of format_version 5 repositories are stored compressed (docs/format.md §4)
@@ -334,7 +216,7 @@ def _rewrite_manifests(store: Store, repo: Opened, marks: _Marks, sparse: list[s
     return rewritten
 
 
-def _plan_garbage(store: Store, marks: _Marks, sparse: list[str], grace: float, now: float | None,
+def _plan_garbage(store: Store, marks: Marks, sparse: list[str], grace: float, now: float | None,
                   report: GcReport) -> tuple[dict[str, float], dict[str, float], set[str]]:
     """Which packs no manifest needs: (the condemn record as found, the one to write, the packs due for deletion).
     An unreferenced pack younger than ``grace`` (not one just repacked) is not even condemned yet."""
@@ -359,7 +241,7 @@ def _plan_garbage(store: Store, marks: _Marks, sparse: list[str], grace: float, 
     return previous, condemned, due
 
 
-def _replace_index(store: Store, repo: Opened, marks: _Marks, previous: dict[str, float],
+def _replace_index(store: Store, repo: Opened, marks: Marks, previous: dict[str, float],
                    condemned: dict[str, float], new_packs: dict[str, list[dict[str, Any]]], dry_run: bool,
                    report: GcReport, say: Callable[[str], Any]) -> None:
     """Phase 3: one new index file for every pack that stays (old rows, new packs' rows, trailers of live packs no
@@ -411,7 +293,7 @@ def _index_rows(store: Store, index_keys: list[str], keep: set[str], live: Rows,
     return rows
 
 
-def _sweep(store: Store, marks: _Marks, condemned: dict[str, float], due: set[str], grace: float, dry_run: bool,
+def _sweep(store: Store, marks: Marks, condemned: dict[str, float], due: set[str], grace: float, dry_run: bool,
            report: GcReport, say: Callable[[str], Any]) -> None:
     """Phase 5: delete the packs condemned at least ``grace`` ago, then record the rest as still condemned."""
     if due:

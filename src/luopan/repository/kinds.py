@@ -73,6 +73,10 @@ class Kind:
     # (store, series) -> numbers retention must keep besides pins and the newest (an index's live version, §17)
     protected: Callable[[Store, str], set[int]] = lambda _store, _series: set()
     plural: str = ""  # "indexes"; default name + "s" (du's counts)
+    # (data, key, series, number) -> the document without reading what it stores apart (a checkpoint manifest's
+    # entry groups, §8.5: its ``entries`` are then the inline ones; format.groups.GroupMemo reads the groups once
+    # each): how gc marks many manifests. None: ``parse`` (the kind stores nothing apart).
+    shallow: Callable[..., dict[str, Any]] | None = None
 
     @property
     def count_key(self) -> str:

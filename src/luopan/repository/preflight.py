@@ -9,7 +9,7 @@ from ..errors import InsufficientSpaceError, LuopanError
 from ..format.names import is_pack_key
 from ..store.base import KeyNotFound
 from ..units import format_bytes
-from .gc import all_manifests
+from .marking import all_manifests
 from .kinds import Opened
 from .pins import read_pins
 

@@ -4,6 +4,7 @@ always stay; the others the rules do not keep are removed by deleting their mani
 from __future__ import annotations
 
 from ..errors import ManifestNotFoundError, UsageError
+from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import decode_metrics
 from ..retention import Checkpoint, Plan, Rules, check_metrics, parse_time, plan
 from .kinds import Kind, Opened
@@ -40,8 +41,12 @@ def _prune(repo: Opened, kind: Kind, series: str, retention: Rules | None, dry_r
     if not numbers:
         raise missing or ManifestNotFoundError(f"{kind.series_noun} {series!r} has no committed {kind.name}")
     items = []
-    for n in numbers:
-        doc = repo.read_manifest(kind, series, n)
+    for n in numbers:  # its time and metrics: a grouped manifest's groups are not read (Kind.shallow)
+        if kind.shallow is not None:
+            key = kind.manifest_key(series, n)
+            doc = kind.shallow(store.get_limited(key, MAX_MANIFEST_BYTES), key, series, n)
+        else:
+            doc = repo.read_manifest(kind, series, n)
         tag = pins.get(n, {}).get("tag")
         items.append(Checkpoint(n, parse_time(doc["created"]), decode_metrics(doc.get("metrics", {})),
                                 n in pins or n in live, (tag,) if tag else ()))
