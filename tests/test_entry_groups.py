@@ -422,8 +422,10 @@ def test_save_us_covers_storing_the_groups(lora, monkeypatch):
         return slow(*a, **k)
 
     monkeypatch.setattr(grouping, "zstd_blob", slow_zstd)
-    monkeypatch.setattr(grouping, "basis", lambda doc: {})  # nothing reused below: the groups are written anew
-    repo.checkpointing._grouping["run"] = {}
+    from luopan.checkpoint.carry import Basis
+
+    monkeypatch.setattr(grouping, "basis", lambda doc: Basis({}))  # nothing reused below: the groups are written anew
+    repo.checkpointing._grouping["run"] = Basis({})
     repo.save("run", 4, state(4, base))  # nothing to compare with: no groups
     repo.save("run", 5, state(5, base))  # the base's groups again, found in the index: none written
     repo.save("run", 6, {**state(6, base), "extra.weight": np.ones(4, np.float32)})

@@ -61,6 +61,10 @@ class CheckpointBase:
     def pack_checker(self) -> PackChecker:
         return self.repository.pack_checker()
 
+    @property
+    def index_generation(self) -> int:
+        return self.repository.index_generation
+
     def forget_damaged(self, problems: list[Any]) -> None:
         self.repository.forget_damaged(problems)
 

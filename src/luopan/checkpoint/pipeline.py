@@ -23,6 +23,7 @@ from ..repository.chunkwriter import ChunkWriter, Item, stored_plainly
 from ..repository.parallel import shared_pool
 from .commit import seal_checkpoint, write_latest_ref
 from .environment import code_version, environment
+from .carry import row_count
 from .grouping import GroupStore
 from .trackstate import TrackUpdates
 from .request import SaveRequest
@@ -101,6 +102,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         self.xors: dict[int, tuple[int, int]] = {}  # entry -> (base step, target of its XOR chunks)
         self.sizes = PackSizes(ctx.store)
         self.skipped: set[int] = set()
+        self.carried: dict[int, dict[str, Any]] = {}  # entry -> the previous save's, named again unread (carry.py)
         self.entries: list[dict[str, Any]] = []
         for leaf in req.leaves:
             e: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "dtype": leaf.dtype,
@@ -133,8 +135,15 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         def triples(chunk_rows: list[list[Any]]) -> list[tuple[str, int, str]]:
             return [(r.hash, r.size, r.xxh3) for r in map(Row._make, chunk_rows)]
 
+        basis, ctx = self.ctx.basis, self.ctx
         for i in self.req.unchanged:
             leaf = self.req.leaves[i]
+            carried = None if basis is None else basis.carried(self.entries[i], self.checker, ctx.generation,
+                                                                ctx.bad_bases)
+            if carried is not None:  # its rows are not touched: the manifest names them (and its groups) again
+                self.carried[i] = carried
+                self.skipped.add(i)
+                continue
             prev = self.ctx.previous.get(leaf.path)
             if leaf.alias_of is not None or not prev or prev.get("nbytes") != leaf.nbytes or "chunks" not in prev:
                 continue
@@ -330,7 +339,13 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
                 out.append([h, p, loc.offset, loc.length, loc.size, loc.codec, x])
             return out
 
+        carried = self.carried
         for i, e in enumerate(entries):
+            if i in carried:  # rows naming pack ids, placed by store_groups (in a group, or inline)
+                entries[i] = carried[i]
+                for loc in self.ctx.basis.extents(carried[i]):  # its packs, in the order rows would list them
+                    pack_ids.setdefault(loc.pack, len(pack_ids))
+                continue
             if "alias_of" in e:
                 continue
             e["chunks"] = manifest_rows(i)
@@ -344,11 +359,14 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
             elif i in self.xors:
                 base_step, xt = self.xors[i]
                 e["xor"] = {"base_step": base_step, "chunks": manifest_rows(xt), "cycle": self._cycle(i)}
+        lv = max((self.ctx.basis.level(e) for e in carried.values()), default=1) if carried else 1
+        own = [e for i, e in enumerate(entries) if i not in carried] if carried else entries
         doc: dict[str, Any] = {
             # §1: the oldest version that describes it (5: deltas with writer hints, XOR deltas, new codecs;
             # 3: typed values)
-            "format_version": (SEGMENTS_FORMAT_VERSION if self.segment_rows
-                               else ENGINE2_FORMAT_VERSION if deltas or self.xors or uses_new_codecs(entries)
+            "format_version": (SEGMENTS_FORMAT_VERSION if self.segment_rows or lv >= SEGMENTS_FORMAT_VERSION
+                               else ENGINE2_FORMAT_VERSION if deltas or self.xors or lv >= ENGINE2_FORMAT_VERSION
+                               or uses_new_codecs(own)
                                else typed.TYPED_FORMAT_VERSION if typed.present(req.skeleton)
                                else BASE_FORMAT_VERSION),
             "run": req.run,
@@ -363,7 +381,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
             "tree": req.skeleton,
             "stats": {
                 "logical_bytes": sum(e["nbytes"] for e in entries if "alias_of" not in e),
-                "chunks": sum(len(r) for r in rows),
+                "chunks": sum(len(r) for r in rows) + sum(row_count(e) for e in carried.values()),
                 "new_chunks": self.chunks.new_chunks,
                 "new_bytes": self.chunks.new_bytes,
                 "stored_bytes": self.chunks.stored_bytes,
@@ -389,4 +407,4 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
                                         "save; pass overwrite=True to replace it")
         write_latest_ref(self.ctx.store, req.run, req.step, raw)
         return SaveResult(manifest_key(req.run, req.step), doc, self.chunks.new_locations, self.chunks.index_key,
-                          self.tracks())
+                          self.tracks(), self.basis_after(doc))

@@ -39,6 +39,7 @@ from .request import SaveRequest, check_json, entries_by_path, same_version, ten
 from .rowdelta import DeltaPolicy, RowTrack
 from .runs.record import RecordWriter, Run
 from .deltaplan import disk_tracks
+from .carry import Basis
 from .grouping import basis as grouping_basis, wants_groups
 from ..format.groups import GROUPS_FORMAT_VERSION
 from .pipeline import write_checkpoint
@@ -52,7 +53,7 @@ class Saving(CheckpointBase):
     def _init_saving(self, delta_policy: DeltaPolicy | None) -> None:
         self.delta_policy = delta_policy or DeltaPolicy()
         self._previous: dict[str, dict[str, dict[str, Any]]] = {}  # run -> path -> entry of its last save
-        self._grouping: dict[str, dict[str, dict[str, Any]]] = {}  # run -> what its next save groups by (§8.5)
+        self._grouping: dict[str, Basis] = {}  # run -> what its next save groups by and carries (§8.5, carry.py)
         self._tracks: dict[str, dict[str, RowTrack]] = {}  # run -> path -> row-delta state (docs/format.md §5.2)
         self._bad_bases: set[str] = set()  # chunks found damaged when read back as a delta base (§5.5)
         self._checked_groups: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # entry groups read back intact
@@ -191,8 +192,16 @@ class Saving(CheckpointBase):
             checker = self.pack_checker()
             known = self.chunk_index()
             previous = self._previous_rows(run)
-            plan.unchanged = frozenset(i for i in plan.unchanged
-                                       if checker.entry_reusable(previous.get(plan.leaves[i].path), known))
+            basis, generation = self._grouping.get(run), self.index_generation
+
+            def reusable(leaf: Any) -> bool:
+                if basis is not None:  # pack by pack (carry.py), not row by row
+                    shape = {"path": leaf.path, "kind": leaf.kind, "dtype": leaf.dtype, "shape": list(leaf.shape),
+                             "nbytes": leaf.nbytes, **({"scalar": True} if leaf.scalar else {})}
+                    if basis.carried(shape, checker, generation, self._bad_bases) is not None:
+                        return True
+                return checker.entry_reusable(previous.get(leaf.path), known)
+            plan.unchanged = frozenset(i for i in plan.unchanged if reusable(plan.leaves[i]))
         plan.leaves = staging.sets[target].freeze(plan.leaves, plan.unchanged)
         plan.snapshot = True
         if self._worker is None:
@@ -328,13 +337,17 @@ class Saving(CheckpointBase):
                                    lambda data, overwrite: tx.put_manifest(data, overwrite=overwrite),
                                    self._previous_rows(plan.run), self._delta_tracks(plan.run, newest),
                                    self.delta_policy, self._bad_bases, started, stall, progress.advance,
-                                   self._grouping_basis(plan.run, newest), self._checked_groups)
+                                   basis=self._grouping_basis(plan.run, newest), generation=self.index_generation,
+                                   checked_groups=self._checked_groups)
             result = write_checkpoint(context, plan)
         except BaseException:
             self._finish_record(plan.run, record)
             raise
-        self._previous[plan.run] = entries_by_path(result.doc)
-        self._grouping[plan.run] = grouping_basis(result.doc) if wants_groups(self.config, result.doc) else {}
+        assert result.basis is not None
+        # The next save compares with this one (carry.Basis: rows naming pack ids; XXH3s and carrying need this
+        # process's own rows, §5.5), and keeps its unchanged entries in the same groups.
+        self._previous[plan.run] = result.basis.entries
+        self._grouping[plan.run] = result.basis
         self._tracks[plan.run] = result.tracks
         self._versions[plan.run] = plan.versions  # only after a commit: they describe what is now the previous save
         self._finish_record(plan.run, record)
@@ -382,13 +395,14 @@ class Saving(CheckpointBase):
         except (LuopanError, OSError):
             return {}  # this save stores in full
 
-    def _grouping_basis(self, run: str, newest: Callable[[], dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
-        """The run's previous save's entries for grouping (§8.5): this process's last save, else the newest on disk
-        (a new process then shares the groups the last one wrote), else none."""
+    def _grouping_basis(self, run: str, newest: Callable[[], dict[str, Any] | None]) -> Basis | None:
+        """The run's previous save (§8.5): this process's last save (its entries may be carried), else the newest on
+        disk for grouping only (a new process then shares the groups the last one wrote), else None."""
         if run not in self._grouping and self.config.format_version >= GROUPS_FORMAT_VERSION:
             doc = newest()
-            self._grouping[run] = grouping_basis(doc) if doc is not None and wants_groups(self.config, doc) else {}
-        return self._grouping.get(run, {})
+            if doc is not None and wants_groups(self.config, doc):
+                self._grouping[run] = grouping_basis(doc)
+        return self._grouping.get(run)
 
     def _previous_rows(self, run: str) -> dict[str, dict[str, Any]]:
         """Chunk rows this process wrote for the run's last save, for XXH3 change detection. Rows read from disk

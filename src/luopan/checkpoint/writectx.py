@@ -10,6 +10,7 @@ from ..format.config import RepoConfig
 from ..format.pack import BlobLocation
 from ..repository.chunkwriter import ChunkWriter
 from ..store.base import Store
+from .carry import Basis
 from .rowdelta import DeltaPolicy, RowTrack
 
 
@@ -20,6 +21,7 @@ class SaveResult:
     new_locations: dict[str, BlobLocation]
     index_key: str | None  # the index file this save wrote (its chunks are new_locations)
     tracks: dict[str, RowTrack] = field(default_factory=dict)  # row-delta state of table entries after this save
+    basis: Basis | None = None  # what the run's next save compares with (carry.Basis)
 
 
 @dataclass
@@ -39,8 +41,10 @@ class WriteContext:
     started: float | None = None  # time.monotonic() of the save call: the manifest records the save's duration
     stall: float | None = None  # seconds save_async blocked its caller (None: a synchronous save, blocked throughout)
     progress: Callable[[int], None] | None = None  # called with the bytes of each chunk hashed
-    # path -> entry (rows naming pack ids) of the run's previous save: unchanged entries keep sharing entry groups (§8.5)
-    grouping: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The run's previous save (carry.Basis: entries with rows naming pack ids, its groups): unchanged entries keep
+    # sharing entry groups (§8.5), and entries it is told are unchanged are carried unread
+    basis: Basis | None = None
+    generation: int = 0  # the repository's chunk index generation when ``known`` was read
     # group hash -> (pack id, offset, that pack's signature as found intact) when the blob was last read back and
     # found intact (§8.5): named again without a read while the pack stays as it was (shared across saves)
     checked_groups: dict[str, tuple[str, int, tuple[int, ...]]] = field(default_factory=dict)

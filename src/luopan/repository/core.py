@@ -51,6 +51,9 @@ class Repository:
         self._known: dict[str, BlobLocation] | None = None
         self._indexes_seen: set[str] = set()
         self._intact_packs: dict[str, tuple[int, ...]] = {}  # pack id -> store signature when its trailer checked
+        # Bumped whenever the locations this process remembers are forgotten (gc replaced the index files, verify
+        # found damage): what a save carried forward unread from an older generation is not carried again.
+        self.index_generation = 0
 
     def __repr__(self) -> str:
         return f"luopan.Repo({self.store.describe()!r})"
@@ -131,6 +134,7 @@ class Repository:
             self._known = {}
             self._indexes_seen = set()
             self._intact_packs.clear()
+            self.index_generation += 1
         for key in keys:
             if key in self._indexes_seen:
                 continue
@@ -155,6 +159,8 @@ class Repository:
     def forget_damaged(self, problems: list[LuopanError]) -> None:
         """Never deduplicate against a chunk verify found damaged: the next write stores it again."""
         self._intact_packs.clear()
+        if problems:
+            self.index_generation += 1
         if self._known is None:
             return
         for p in problems:
