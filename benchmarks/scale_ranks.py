@@ -16,7 +16,7 @@ moment every rank's part is reported (rank 0 enters `commit_entries`) to the sav
 locally, copied to the remote after every pack it names is verified there, and every rank told.
 
 * SC6.rank0_commit_growth_16_over_2: median steady-state commit time at the largest world / at 2 ranks (linear
-  growth would be 8 from 2 to 16 ranks). Goal <= 8.
+  growth would be 8 from 2 to 16 ranks). Goal <= 8 (--quick: 8 over 2 ranks, goal <= 4, the same id).
 * SC7.lists_per_save: the most LISTs the server saw during one collective save, over every world size and step.
   Goal <= 1.
 * SC8.replicated_bytes_over_state: chunk bytes written in all by the first save (every rank's new chunks) / the
@@ -295,9 +295,9 @@ def run_ranks(quick: bool, workdir: str, log: Any) -> list[dict[str, Any]]:
     over = big["first_new_bytes"] / big["unique_bytes"]
     common = {"worlds": list(worlds), "quick": quick, "all_loads_exact": all(w["all_exact"] for w in per_world)}
     results = [
-        {"id": f"SC6.rank0_commit_growth_{big['world']}_over_{small['world']}" if quick else
-         "SC6.rank0_commit_growth_16_over_2", "value": growth, "ratio": growth, "goal": linear, "goal_op": "<=",
+        {"id": "SC6.rank0_commit_growth_16_over_2", "value": growth, "ratio": growth, "goal": linear, "goal_op": "<=",
          "met": growth is not None and growth <= linear,
+         "over_worlds": [small["world"], big["world"]],  # --quick: 8 over 2, its goal linear over that range (4)
          "commit_s": {w["world"]: w["commit_s"] for w in per_world},
          "save_s": {w["world"]: w["save_s"] for w in per_world},
          "save_growth": big["save_s"] / small["save_s"],
