@@ -60,12 +60,14 @@ class S3Server:
     not on the training host's cores. The client side (luopan's replication thread, s3fs) runs at normal priority.
     """
 
+    script = SERVER  # a variant may wrap the WSGI app (scale_ranks.py counts requests)
+
     def __init__(self, nice: int = 0) -> None:
         self.nice = nice
 
     def __enter__(self) -> S3Server:
         nice = self.nice
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(nice)) if nice else None)
         line = self.proc.stdout.readline()
         if not line.strip().isdigit():

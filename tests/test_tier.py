@@ -401,6 +401,7 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="duration"):
         luopan.open(local, cold=ColdPolicy(str(tmp_path / "c"), older_than="soon"))
     other = luopan.open(tmp_path / "other")
+    luopan.open(local).close()  # an existing repository: a new local tier would adopt the remote's (a node joining)
     with pytest.raises(ConfigConflictError, match="another luopan repository"):
         luopan.open(local, replicate_to=str(tmp_path / "other"))
     other.close()

@@ -4,8 +4,8 @@ A lock is a small sealed JSON record (luopan.repository.lockrecords) ``locks/<ki
 process start time, operation) and when it was taken and last refreshed. The protocol needs only ``put``,
 ``delete`` and ``list``, so it works the same on a local disk, a shared filesystem and an object store:
 
-* **shared** (a save): wait while a live exclusive lock exists; write our record; list again — if an exclusive
-  lock appeared meanwhile, withdraw ours and wait again. Shared holders never exclude each other.
+* **shared** (a save): write our record; list — if a live exclusive lock is there, withdraw ours, wait while one
+  exists and start over. Shared holders never exclude each other.
 * **exclusive** (prune, gc): wait while any other live lock exists; write our record; list again — if any other
   lock appeared meanwhile, withdraw ours and wait again (two exclusive lockers racing both withdraw and retry after
   a random pause). Whoever writes second always sees the first, so a save and a gc never both proceed.
@@ -222,9 +222,14 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
     lock = Lock(store, kind, op)
     marker: Lock | None = None  # a shared locker's waiting marker
     posted = False
+    # A shared locker writes its record before its first listing: whoever writes second sees the first, so one
+    # listing decides (one LIST per save on an object store, issue 30); an exclusive record seen makes it withdraw
+    # and wait as below.
+    optimistic = kind == "shared"
     try:
         while True:
-            blockers, waiting = _survey(store, kind, lock.key if posted else None)
+            blockers, waiting = ([], []) if optimistic else _survey(store, kind, lock.key if posted else None)
+            optimistic = False
             if kind == "exclusive":
                 ahead = [b for b in blockers if b.kind != "shared" and (b.created, b.key) < (lock._created, lock.key)]
                 if posted and ahead:  # an older exclusive locker: give way to it
@@ -240,7 +245,8 @@ def acquire(store: Store, kind: str, op: str, *, timeout: float | None = DEFAULT
             elif not blockers:
                 posted = True  # from here an error (or Ctrl-C) must take the record back
                 lock._write()
-                if not _survey(store, kind, lock.key)[0]:
+                blockers = _survey(store, kind, lock.key)[0]
+                if not blockers:
                     lock._start_refreshing()
                     return lock
                 store.delete(lock.key)  # an exclusive locker came in between: give way, try again

@@ -72,16 +72,10 @@ def connect(
             raise RepoNotFoundError(
                 f"no luopan repository at {where}: create one with `luopan init -r {where}` or luopan.open(path)"
             ) from None
-        config = create_config(store, chunk_size, pack_size, compression)
+        remote = tiering.store.remote if tiering is not None else None
+        config = create_config(store, chunk_size, pack_size, compression, remote=remote)
     else:
-        wanted = {"chunk_size": chunk_size, "pack_size": pack_size,
-                  "compression": Compression.parse(compression) if compression is not None else None}
-        for name, value in wanted.items():
-            if value is not None and value != getattr(config, name):
-                raise ConfigConflictError(
-                    f"repository {where} has {name}={getattr(config, name)}, not {value}; "
-                    "options apply only when a repository is created"
-                )
+        check_options(config, where, chunk_size, pack_size, compression)
     store.cleanup_temporaries()
     return (tiering.store if tiering is not None else store), config, tiering
 
@@ -110,8 +104,35 @@ def check_new(location: str | os.PathLike[str] | Store) -> Store:
     return store
 
 
+def check_options(config: RepoConfig, where: str, chunk_size: int | None, pack_size: int | None,
+                  compression: str | Compression | None) -> None:
+    """ConfigConflictError when an option given differs from the existing repository's config."""
+    wanted = {"chunk_size": chunk_size, "pack_size": pack_size,
+              "compression": Compression.parse(compression) if compression is not None else None}
+    for name, value in wanted.items():
+        if value is not None and value != getattr(config, name):
+            raise ConfigConflictError(
+                f"repository {where} has {name}={getattr(config, name)}, not {value}; "
+                "options apply only when a repository is created"
+            )
+
+
+def adopt_config(store: Store, remote: Store) -> RepoConfig | None:
+    """A new local tier of a repository its remote already holds (another node of a collective job, a replaced
+    machine, docs/format.md §10.2): the remote's ``luopan.json`` written locally (the same ``repo_id``), or None
+    when the remote holds none or cannot be reached (a new repository is created then)."""
+    try:
+        data = remote.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES)
+    except (KeyNotFound, OSError):
+        return None
+    RepoConfig.from_bytes(data, remote.describe())  # never copy a damaged config
+    if not store.put_if_absent(CONFIG_KEY, data):  # another process created it first
+        data = store.get_limited(CONFIG_KEY, MAX_CONFIG_BYTES)
+    return RepoConfig.from_bytes(data, store.describe())
+
+
 def create_config(store: Store, chunk_size: int | None, pack_size: int | None,
-                  compression: str | Compression | None) -> RepoConfig:
+                  compression: str | Compression | None, remote: Store | None = None) -> RepoConfig:
     store.cleanup_temporaries()  # e.g. the config's own temp file from a creation that crashed
     root = getattr(store, "root", None)
     if root is not None and os.path.isdir(root) and any(TMP_MARK not in e.name for e in os.scandir(root)):
@@ -128,6 +149,10 @@ def create_config(store: Store, chunk_size: int | None, pack_size: int | None,
                 f"{store.describe()} already holds objects (e.g. {stray!r}) and is not a luopan repository: "
                 "refusing to create one there; choose an empty prefix (e.g. s3://bucket/new-prefix)"
             )
+    adopted = adopt_config(store, remote) if remote is not None else None
+    if adopted is not None:
+        check_options(adopted, store.describe(), chunk_size, pack_size, compression)
+        return adopted
     comp = Compression.parse(DEFAULT_COMPRESSION if compression is None else compression)
     # the oldest version that describes the config (docs/format.md §1): "auto" writes blobs older luopan cannot read,
     # so such a repository is also created at the newest version (7): its checkpoint manifests store their entries in

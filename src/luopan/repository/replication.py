@@ -134,7 +134,8 @@ def index_packs(src: Store, key: str) -> set[str]:
 
 def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, *, indexes: IndexMap | None = None,
                   gate: Callable[[], None] | None = None, on_pack: Callable[[str, bool], None] | None = None,
-                  commit: Callable[[Callable[[], None]], None] | None = None) -> bytes | None:
+                  commit: Callable[[Callable[[], None]], None] | None = None,
+                  vouched: set[str] | None = None) -> bytes | None:
     """Copy manifest ``series``/``number`` of ``kind`` from ``src`` to ``dst`` and verify it there; returns the
     manifest bytes, or None when ``src`` no longer has it (pruned meanwhile).
 
@@ -143,6 +144,8 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
     their packs are on ``dst``, the kind's companions (created once; the pin replaced), then the manifest (read back
     and compared) — the commit point on ``dst``. ``gate()`` is called before each pack (it may block while a save
     runs); ``on_pack(pack_id, sent)`` after each; ``commit(fn)`` runs the manifest step (to take a lock around it).
+    A pack in ``vouched`` (seen verified on ``dst`` by the process that put it there: a rank of a collective save,
+    ``publish_packs``) is only checked to still exist there.
     """
     mkey = kind.manifest_key(series, number)
     try:
@@ -155,6 +158,12 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
         if gate is not None:
             gate()
         key = pack_key(pack_id)
+        if vouched is not None and pack_id in vouched:
+            if dst.exists(key):  # verified when it was put; under the caller's lock it stays
+                if on_pack is not None:
+                    on_pack(pack_id, False)
+                continue
+            vouched.discard(pack_id)
         if dst.exists(key):  # landed before (an earlier attempt, a killed process, another manifest)
             try:
                 verify_pack(dst, pack_id, src.size(key))  # three small ranged reads, nothing re-sent
@@ -210,6 +219,38 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
     else:
         put_manifest()
     return data
+
+
+def publish_packs(src: Store, dst: Store, packs: list[str], index_keys: list[str],
+                  known: set[str] | None = None) -> int:
+    """Put ``packs`` that ``dst`` lacks there, each verified as in ``copy_manifest``, then ``index_keys`` (rule 1:
+    packs before their index file); returns how many packs were sent. ``known`` holds ids this process has already
+    seen verified on ``dst`` (no request for them) and gains every pack checked here. Takes no lock on ``dst``: these
+    packs are not yet named by a manifest there, and whoever commits one (``copy_manifest``, under the shared lock)
+    checks every pack it names again first."""
+    sent = 0
+    known = set() if known is None else known
+    for pack_id in dict.fromkeys(packs):
+        if pack_id in known:
+            continue
+        key = pack_key(pack_id)
+        if not dst.exists(key):
+            size = put_pack(src, dst, key, None)
+            try:
+                verify_pack(dst, pack_id, size)
+            except ReplicationError:
+                dst.delete(key)
+                raise
+            sent += 1
+        known.add(pack_id)
+    for ikey in index_keys:
+        idata = src.get_limited(ikey, MAX_INDEX_BYTES)
+        if idata.startswith(ZSTD_MAGIC):
+            require_format(dst, ENGINE2_FORMAT_VERSION)
+        if not dst.put_if_absent(ikey, idata):
+            continue  # write-once and named by content: the same file
+        verify_small(dst, ikey, idata)
+    return sent
 
 
 def ensure_repository(local: Store, dst: Store) -> None:

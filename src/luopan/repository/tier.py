@@ -35,7 +35,7 @@ from .coldmoves import ColdPolicy, move_cold
 from .kinds import Kind, Opened
 from .locks import DEFAULT_TIMEOUT, locked
 from .pins import read_pins
-from .replication import IndexMap, copy_manifest, copy_pin, ensure_repository
+from .replication import IndexMap, copy_manifest, copy_pin, ensure_repository, publish_packs
 from .tiermarks import Item, Records, manifest_item
 
 BACKOFF_INITIAL = 0.5  # seconds before the first retry of a failed copy; doubles up to BACKOFF_MAX
@@ -76,6 +76,7 @@ class Tier:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._indexes = IndexMap()
+        self._published: set[str] = set()  # pack ids this process saw verified on the remote (publish)
         self._remote_ready = False
         self.records = Records(self.local)
 
@@ -214,6 +215,36 @@ class Tier:
                 f"{item.label()}: {why}" for item, why in sorted(self.failed.items(), key=lambda kv: kv[0][1:])))
         return idle
 
+    def publish(self, packs: list[str], index_keys: list[str]) -> int:
+        """Put ``packs`` and then ``index_keys`` on the remote now, each verified (those already there are left):
+        the part of a collective save whose ranks have local tiers of their own (docs/format.md §10.5), so the
+        manifest that rank 0 commits names packs the remote holds. Returns the number of packs sent."""
+        assert self.remote is not None
+        if not self._remote_ready:
+            ensure_repository(self.local, self.remote)
+            self._remote_ready = True
+        sent = publish_packs(self.local, self.remote, packs, index_keys, self._published)
+        self.sent_packs += sent
+        return sent
+
+    def vouch(self, packs: list[str]) -> None:
+        """``packs`` were verified on the remote by the ranks that put them there (``publish`` in another process):
+        replicating a manifest that names them only checks that they still exist."""
+        self._published.update(packs)
+
+    def wait_for(self, kind: Kind, series: str, number: int, timeout: float | None) -> bool:
+        """Block until the replicator is done with this one manifest (True when it is confirmed on the remote), or
+        ``timeout`` seconds pass (False)."""
+        item = Item(kind, series, number)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while item in self._queued and self.running and item not in self.failed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(min(left, 1.0) if left is not None else 1.0)
+        return self.records.confirmed(item)
+
     # -- the thread ---------------------------------------------------------------------------------------------
     def _gate(self) -> None:
         with self._cv:
@@ -301,7 +332,7 @@ class Tier:
 
         with locked(self.remote, "shared", f"replication of {item.label()}", timeout=self.lock_timeout):
             data = copy_manifest(self.store, self.remote, kind, series, number, indexes=self._indexes,
-                                 gate=self._gate, on_pack=on_pack, commit=commit)
+                                 gate=self._gate, on_pack=on_pack, commit=commit, vouched=self._published)
         try:
             now_local = self.local.get_limited(item.key, MAX_MANIFEST_BYTES) if data is not None else None
         except KeyNotFound:

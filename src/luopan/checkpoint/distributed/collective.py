@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import errno
 import json
+import socket
 from typing import Any
 
 import xxhash
 
 from ... import typed
 from ...errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CollectiveError,
     CollectiveStorageError,
     CollectiveStorageFullError,
     StorageError,
     StorageFullError,
+    ReplicationError,
     UsageError,
 )
 from ...format.canonical import canonical
@@ -40,9 +43,13 @@ from ...tree import flatten
 from . import load as collectiveload
 from .load import RANK_PREFIX
 from ..info import CheckpointInfo
+from ..kind import CHECKPOINTS
 from .parts import WRITTEN, Parts
 from .ranks import check_member, ranks_member
 from .shards import Placed, local_part, place_shards, unwrap
+
+
+REMOTE_COMMIT_WAIT = 600.0  # seconds rank 0 waits for a spread collective checkpoint to be confirmed on the remote
 
 
 def _dist() -> Any:
@@ -212,13 +219,16 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                  if lf.alias_of is None else f"alias:{lf.alias_of}", _layout(declared.get(id(lf.obj))))
                 for lf in leaves]
         shape = canonical(skeleton).decode()
-        ok, detail = True, (("save", repr(run), str(step), bool(overwrite)), (mine, shape))
+        ok, detail = True, (("save", repr(run), str(step), bool(overwrite)), (mine, shape, _place(repo)))
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         ok, detail = False, _failure(exc)
     everyone = _agree(dist, group, ok, detail)  # the one round trip that also checks the ranks agree
     _refuse_disagreement("a collective save", [h for h, _r in everyone], "nothing was committed")
     reports = [r for _h, r in everyone]
-    problem = _structure_problem([shape for _m, shape in reports])
+    problem = _structure_problem([r[1] for r in reports])
+    # ranks whose local tiers differ (one per node) meet only on the remote: parts go there before rank 0 commits
+    places = {r[2] for r in reports}
+    spread = None not in places and len(places) > 1
     if problem:
         raise CollectiveError(f"a collective save failed: the ranks' states differ in structure or in non-tensor "
                               f"values ({problem}); keep per-rank values in tensors (they are stored per rank), or "
@@ -229,7 +239,7 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
     per_rank: dict[str, list[int | None]] = {}  # path -> per rank, the leaf its value is tied to (None: its own)
     sharded: dict[str, list[Placed]] = {}
     for i, row in enumerate(reports[0][0]):
-        rows = [m[i] for m, _s in reports]
+        rows = [r[0][i] for r in reports]
         if any(r[6] is not None for r in rows):  # a sharded tensor: each distinct shard once
             placed = place_shards(row[0], rows, load)
             if placed is not None:
@@ -250,6 +260,8 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
         own += [(join_path(lf.path, p.name), lf.obj) for lf in leaves if lf.alias_of is None
                 for p in sharded.get(lf.path, ()) if p.owner == rank]
         stored = repo.store_entries(own) if own else None
+        if spread and stored is not None:  # durable on the remote before this rank reports (§10.5)
+            repo.tier.publish(stored.packs, [stored.index_key] if stored.index_key else [])
         ok, detail = True, (stored.entries if stored else [], stored.written if stored else {})
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, _failure(exc)
@@ -272,15 +284,34 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
                 for path, placed in sharded.items()})
             if member:
                 check_member(member, entries)
+            key = manifest_key(run, step)
+            if spread:  # every rank put its packs on the remote, verified, before it reported
+                repo.tier.vouch(list(dict.fromkeys(r[1] for e in entries for r in e["chunks"])))
+            if spread and not overwrite and repo.tier.remote.exists(key):  # saved from another node's local tier
+                raise CheckpointExistsError(f"run {run!r} already has a checkpoint at step {step} on the remote "
+                                            f"{repo.tier.remote.describe()}; pass overwrite=True to replace it")
             info = repo.commit_entries(run, step, entries, tree, metrics=metrics, metadata=metadata,
                                        overwrite=overwrite, written=written, inputs=inputs,
                                        extra={"ranks": member} if member else None)
+            if spread and not repo.tier.wait_for(CHECKPOINTS, run, step, REMOTE_COMMIT_WAIT):
+                raise ReplicationError(f"run {run!r} step {step} is committed on rank 0's local tier but did not "
+                                       f"reach the remote {repo.tier.remote.describe()} within {REMOTE_COMMIT_WAIT:.0f}"
+                                       " s; the other ranks can load it once it does (repo.tier.wait() on rank 0)")
         ok, detail = True, None
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, _failure(exc)
     _agree(dist, group, ok, detail, committing=True)
     return info if info is not None else CheckpointInfo.from_manifest(repo.manifest(run, step),
                                                                       manifest_key(run, step))
+
+
+def _place(repo: Collective) -> str | None:
+    """Where this rank's local tier lies (host and directory) when its repository is tiered; None when it is not.
+    Ranks whose places differ share only the remote."""
+    tier = repo.tier
+    if tier is None or getattr(tier, "remote", None) is None:
+        return None
+    return f"{socket.gethostname()}:{tier.local.describe()}"
 
 
 def _structure_problem(shapes: list[str]) -> str | None:

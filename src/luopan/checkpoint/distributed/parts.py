@@ -30,10 +30,17 @@ WRITTEN = ("new_chunks", "new_bytes", "stored_bytes", "new_packs")  # what each 
 
 @dataclass
 class StoredEntries:
-    """What ``store_entries`` stored: manifest entries (rows naming packs by id) and what it wrote (WRITTEN)."""
+    """What ``store_entries`` stored: manifest entries (rows naming packs by id), what it wrote (WRITTEN) and the
+    index file naming its new packs (None: it wrote none)."""
 
     entries: list[dict[str, Any]]
     written: dict[str, int] = field(default_factory=dict)
+    index_key: str | None = None
+
+    @property
+    def packs(self) -> list[str]:
+        """The ids of every pack the entries name (new or reused), once each."""
+        return list(dict.fromkeys(r[1] for e in self.entries for r in e["chunks"]))
 
 
 class Parts(Saving):
@@ -80,7 +87,7 @@ class Parts(Saving):
                     yield i, data[off : off + length], prev[k] if k < len(prev) else None, None, None
 
         chunks.write(items())
-        chunks.write_index()
+        index = chunks.write_index()
         for leaf, entry_rows in zip(leaves, chunks.rows):
             self._parts_rows[leaf.path] = entry_rows
         for e, entry_rows in zip(entries, chunks.rows):
@@ -90,7 +97,8 @@ class Parts(Saving):
                 e["chunks"].append([h, loc.pack, loc.offset, loc.length, size, loc.codec, x])
             self._parts_entries[e["path"]] = e
         return StoredEntries(entries, {"new_chunks": chunks.new_chunks, "new_bytes": chunks.new_bytes,
-                                       "stored_bytes": chunks.stored_bytes, "new_packs": chunks.new_packs})
+                                       "stored_bytes": chunks.stored_bytes, "new_packs": chunks.new_packs},
+                             index)
 
     def commit_entries(self, run: str, step: int, entries: list[dict[str, Any]], tree: dict[str, Any], *,
                        metrics: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
