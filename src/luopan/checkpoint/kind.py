@@ -7,7 +7,8 @@ from typing import Any
 from ..errors import IntegrityError, StorageError
 from ..format.canonical import sealed_checksum
 from ..format.limits import MAX_RECORD_BYTES, MAX_SMALL_BYTES
-from ..format.manifest import parse_manifest, parse_manifest_shallow
+from ..format.manifest import parse_manifest
+from ..format.manifestread import parse_manifest_shallow
 from ..format.names import check_run, latest_ref_key, manifest_key, pin_key, record_key
 from ..format.refs import build_ref, parse_ref
 from ..repository.chunkio import blob_reader

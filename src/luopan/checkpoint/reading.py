@@ -12,7 +12,8 @@ import numpy as np
 
 from ..errors import CheckpointNotFoundError, StateMismatchError
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.manifest import Manifest, parse_manifest, parse_manifest_header
+from ..format.manifest import Manifest, parse_manifest
+from ..format.manifestread import parse_manifest_header
 from ..format.names import check_run, check_step, manifest_key
 from ..repository.chunkio import blob_reader, read_chunks
 from .base import CheckpointBase

@@ -16,7 +16,7 @@ from ..errors import CorruptManifestError, IntegrityError, StorageError, Unsuppo
 from ..format.canonical import canonical, digest
 from ..format.groups import GroupMemo
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.manifest import check_entries
+from ..format.manifestread import check_entries, check_tree
 from ..format.names import pack_key
 from ..store.base import KeyNotFound, Store
 from .chunkio import blob_reader, check_pack_trailer
@@ -41,8 +41,9 @@ def verify_structure(store: Store, targets: list[tuple[Kind, str, int]]) -> Chec
             groups: list[Any] = []
             if doc is None or "groups" not in doc:  # all inline: the whole parse, as a load makes it
                 doc = kind.parse(data, key, series, number, store)
-            else:  # its own entries as a load checks them, each distinct group once, the entries rebuilt
-                check_entries(list(enumerate(doc["entries"])), doc["packs"], key)
+            else:  # its tree and own entries as a load checks them, each distinct group once, the entries rebuilt
+                check_tree(doc, key)
+                check_entries(list(enumerate(doc["entries"])), doc["packs"], key, schema=False)
                 groups = memo.of(doc, blob_reader(store, f"manifest {key}"), key)
                 _check_rebuilt(doc, groups, key)
         except KeyNotFound:
