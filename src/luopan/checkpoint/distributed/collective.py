@@ -192,6 +192,19 @@ def _agree(dist: Any, group: Any, ok: bool, detail: Any, committing: bool = Fals
     return [d for _o, d in out]
 
 
+def _gather_to_first(dist: Any, group: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` at the group's rank 0 (a list there, [] elsewhere); CollectiveError naming the lost contact
+    when the group breaks (nothing was committed: rank 0 commits after it)."""
+    first = dist.get_rank(group) == 0
+    out: list[Any] = [None] * dist.get_world_size(group) if first else []
+    try:
+        dist.gather_object(obj, out if first else None, group=group, group_dst=0)
+    except Exception as exc:  # noqa: BLE001 - a dead rank, a timeout: the group is broken
+        raise CollectiveError(f"a collective save lost contact with a rank ({type(exc).__name__}: "
+                              f"{str(exc)[:300]}); nothing was committed") from None
+    return out
+
+
 def _failure(exc: Exception) -> tuple[str, str | None, int | None]:
     """What a rank reports of its failure: the text, whether it is a store's failure ("full", "storage" or None),
     and its errno."""
@@ -265,14 +278,17 @@ def _save_collective(repo: Collective, run: str, step: int, state: Any, group: A
         ok, detail = True, (stored.entries if stored else [], stored.written if stored else {})
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, _failure(exc)
-    parts = _agree(dist, group, ok, detail)
+    # Every rank learns whether every part is stored (a small exchange); only rank 0, which commits, receives the
+    # parts' entries: an all-gather of them would send every rank's chunk rows to every rank (world^2 bytes).
+    _agree(dist, group, ok, None if ok else detail)
+    parts = _gather_to_first(dist, group, detail)
     # 3. rank 0 commits, then every rank learns the outcome
     info: CheckpointInfo | None = None
     try:
         if rank == 0:
             entries, index = [], {}
             written = {k: sum(w.get(k, 0) for _e, w in parts) for k in WRITTEN}
-            for rank_entries, _w in parts:
+            for rank_entries, _w in parts:  # (entries, written) of each rank, gathered here only
                 for e in rank_entries:
                     index[e["path"]] = len(entries)
                     entries.append(e)
