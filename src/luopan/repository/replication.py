@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from .._crash import crashpoint
 from ..errors import ConfigConflictError, IntegrityError, ReplicationError, StorageError
@@ -132,6 +133,21 @@ def index_packs(src: Store, key: str) -> set[str]:
     return {loc.pack for loc in parse_index(src.get_limited(key, MAX_INDEX_BYTES), key).values()}
 
 
+def _present(dst: Store, packs: list[str]) -> set[str]:
+    """Which of ``packs`` exist on ``dst``: one HEAD each, many in flight (rank 0 of a collective save over N nodes
+    checks every rank's packs: one after another, N round trips)."""
+    if not packs:
+        return set()
+
+    def exists(p: str) -> str | None:
+        return p if dst.exists(pack_key(p)) else None
+
+    if len(packs) == 1:
+        return {p for p in map(exists, packs) if p}
+    with ThreadPoolExecutor(min(16, len(packs)), "luopan-heads") as pool:
+        return {p for p in pool.map(exists, packs) if p}
+
+
 def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, *, indexes: IndexMap | None = None,
                   gate: Callable[[], None] | None = None, on_pack: Callable[[str, bool], None] | None = None,
                   commit: Callable[[Callable[[], None]], None] | None = None,
@@ -154,12 +170,13 @@ def copy_manifest(src: Store, dst: Store, kind: Kind, series: str, number: int, 
         return None
     doc = kind.parse(data, mkey, series, number, src)  # never copy a damaged manifest
     packs = list(dict.fromkeys(doc["packs"]))
+    there = _present(dst, [p for p in packs if vouched is not None and p in vouched])
     for pack_id in packs:
         if gate is not None:
             gate()
         key = pack_key(pack_id)
         if vouched is not None and pack_id in vouched:
-            if dst.exists(key):  # verified when it was put; under the caller's lock it stays
+            if pack_id in there:  # verified when it was put; under the caller's lock it stays
                 if on_pack is not None:
                     on_pack(pack_id, False)
                 continue
