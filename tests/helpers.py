@@ -143,3 +143,12 @@ def assert_lora_loads(repo, gen, steps):
         repo.load_into("lora", target, step)
         assert_exact(target["model"], expected["model"])
         assert_exact(target["table"], expected["table"])
+
+
+def flip_byte(path, offset):
+    """Invert one byte of a file in place (damage that keeps its size)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

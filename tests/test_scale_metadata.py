@@ -15,6 +15,8 @@ from luopan.format.canonical import unseal
 from luopan.format.names import manifest_key, pack_key
 from luopan.retention import KeepBest, KeepLast
 
+from .helpers import flip_byte
+
 from typer.testing import CliRunner
 
 from luopan.cli.main import app
@@ -147,12 +149,8 @@ def test_a_damaged_group_is_found_by_verify_structure_but_listing_and_prune_do_n
     root = str(tmp_path / "r")
     repo, _state = saved_run(root, 5)
     doc = file_doc(root, 4)
-    h, p, off, length, *_ = doc["groups"][0]
-    with open(os.path.join(root, pack_key(doc["packs"][p])), "r+b") as f:
-        f.seek(off + length // 2)
-        b = f.read(1)
-        f.seek(off + length // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _h, p, off, length, *_ = doc["groups"][0]
+    flip_byte(os.path.join(root, pack_key(doc["packs"][p])), off + length // 2)
     groups.CACHE.blobs.clear()
     groups.CACHE.size = 0
     with luopan.open(root) as fresh:

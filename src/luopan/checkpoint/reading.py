@@ -72,11 +72,7 @@ class Reading(CheckpointBase):
                 raise CheckpointNotFoundError(self._no_checkpoint(run))
             step = steps[-1]
         step = check_step(step)
-        key = manifest_key(run, step)
-        try:
-            data = self.store.get_limited(key, MAX_MANIFEST_BYTES)
-        except KeyNotFound:
-            raise CheckpointNotFoundError(self._no_checkpoint(run, step)) from None
+        key, data = self._manifest_file(run, step)
         m = parse_manifest(data, key, run, step, blob_reader(self.store, f"manifest {key}"))
         return dataclasses.replace(m, xxh3_reads=True) if self.read_check == "xxh3" else m
 
@@ -100,12 +96,16 @@ class Reading(CheckpointBase):
         is none; CorruptManifestError when it is damaged."""
         check_run(run)
         step = check_step(step)
+        key, data = self._manifest_file(run, step)
+        return CheckpointInfo.from_manifest(Manifest(parse_manifest_header(data, key, run, step)), key)
+
+    def _manifest_file(self, run: str, step: int) -> tuple[str, bytes]:
+        """(key, bytes) of a checkpoint's manifest file; CheckpointNotFoundError naming the steps there are."""
         key = manifest_key(run, step)
         try:
-            data = self.store.get_limited(key, MAX_MANIFEST_BYTES)
+            return key, self.store.get_limited(key, MAX_MANIFEST_BYTES)
         except KeyNotFound:
             raise CheckpointNotFoundError(self._no_checkpoint(run, step)) from None
-        return CheckpointInfo.from_manifest(Manifest(parse_manifest_header(data, key, run, step)), key)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def load(self, run: str, step: int | None = None) -> Any:

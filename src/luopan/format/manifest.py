@@ -131,6 +131,16 @@ def parse_manifest(data: bytes, where: str, run: str | None = None, step: int | 
     return Manifest(_validated(_opened(data, where), where, run, step, read))
 
 
+def schema_check(doc: dict[str, Any], where: str, nested: str = "its tree") -> None:
+    """The manifest schema on ``doc``; CorruptManifestError naming ``where`` (and ``nested`` when too deep)."""
+    try:
+        _validator()(doc)
+    except JsonSchemaException as e:
+        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
+    except RecursionError:
+        raise CorruptManifestError(f"manifest {where}: {nested} is nested too deeply") from None
+
+
 def _opened(data: bytes, where: str) -> dict[str, Any]:
     """The sealed document of manifest bytes (inflated, seal checked, not newer than this reader)."""
     try:
@@ -148,12 +158,7 @@ def _validated(doc: dict[str, Any], where: str, run: str | None, step: int | Non
             raise CorruptManifestError(f"manifest {where} has entry groups, which its format_version "
                                        f"{str(doc.get('format_version'))[:20]!r} lacks (they need 6)")
         expand(doc, read, where)
-    try:
-        _validator()(doc)
-    except JsonSchemaException as e:
-        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
-    except RecursionError:
-        raise CorruptManifestError(f"manifest {where}: its tree is nested too deeply") from None
+    schema_check(doc, where)
     if "groups" in doc and structure_fingerprint(doc["entries"]) != doc["fingerprint"]:  # as the writer listed them
         raise CorruptManifestError(f"manifest {where}: its entries, rebuilt from its entry groups, do not match "
                                    "its fingerprint")

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastjsonschema import JsonSchemaException
-
 from ..errors import CorruptManifestError
 from . import SEGMENTS_FORMAT_VERSION
 from .groups import GROUPS_FORMAT_VERSION
-from .manifest import _check_consistency, _opened, _validated, _validator, manifest_rows
+from .manifest import _check_consistency, _opened, _validated, manifest_rows, schema_check
 
 
 def parse_manifest_header(data: bytes, where: str, run: str, step: int) -> dict[str, Any]:
@@ -47,12 +45,7 @@ def _shallow(doc: dict[str, Any], where: str, run: str | None, step: int | None,
                             or doc["format_version"] < GROUPS_FORMAT_VERSION):
         raise CorruptManifestError(f"manifest {where} has entry groups, which its format_version "
                                    f"{str(doc.get('format_version'))[:20]!r} lacks (they need 6)")
-    try:
-        _validator()(doc if tree else {**doc, "tree": {"dict": []}})
-    except JsonSchemaException as e:
-        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
-    except RecursionError:
-        raise CorruptManifestError(f"manifest {where}: its tree is nested too deeply") from None
+    schema_check(doc if tree else {**doc, "tree": {"dict": []}}, where)
     npacks = len(doc["packs"])
     for r in manifest_rows(doc):
         if r.pack >= npacks:
@@ -65,12 +58,7 @@ def _shallow(doc: dict[str, Any], where: str, run: str | None, step: int | None,
 
 def check_tree(doc: dict[str, Any], where: str) -> None:
     """A shallow-read manifest's tree, as the schema checks it (its nodes; what a load reads of it)."""
-    try:
-        _validator()({**doc, "entries": [], "groups": []})
-    except JsonSchemaException as e:
-        raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
-    except RecursionError:
-        raise CorruptManifestError(f"manifest {where}: its tree is nested too deeply") from None
+    schema_check({**doc, "entries": [], "groups": []}, where)
 
 
 _STATS = ("logical_bytes", "chunks", "new_chunks", "new_bytes", "stored_bytes", "new_packs")
@@ -87,10 +75,5 @@ def check_entries(members: list[tuple[int, dict[str, Any]]], packs: list[str], w
            "fingerprint": "blake3:" + "0" * 64, "metrics": {}, "metadata": {}, "environment": {},
            "stats": dict.fromkeys(_STATS, 0)}
     if schema:
-        try:
-            _validator()(doc)
-        except JsonSchemaException as e:
-            raise CorruptManifestError(f"manifest {where} does not match the schema: {e.message[:300]}") from None
-        except RecursionError:
-            raise CorruptManifestError(f"manifest {where}: an entry is nested too deeply") from None
+        schema_check(doc, where, "an entry")
     _check_consistency(doc, where)
