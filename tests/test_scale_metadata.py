@@ -178,3 +178,27 @@ def test_gc_reads_each_group_once_and_keeps_what_groups_need(tmp_path, monkeypat
     for k, v in repo.load("run", 7).items():
         assert torch.equal(v, state[k]), k
     assert repo.verify().ok
+
+
+@pytest.mark.parametrize("damage", ["nbytes", "created", "row"])
+def test_listing_a_grouped_manifest_still_checks_its_own_file(tmp_path, damage):
+    """Listing skips the groups, not the checks of what the manifest's own file holds."""
+    from luopan.format.canonical import seal
+
+    root = str(tmp_path / "r")
+    repo, _state = saved_run(root, 4)
+    doc = file_doc(root, 3)
+    doc.pop("checksum", None)
+    assert doc["groups"] and doc["entries"]
+    if damage == "nbytes":
+        doc["entries"][0]["nbytes"] += 1
+    elif damage == "created":
+        doc["created"] = "yesterday"
+    else:
+        doc["entries"][0]["chunks"][0][2] = -16
+    with open(os.path.join(root, manifest_key("run", 3)), "wb") as f:
+        f.write(seal(doc))
+    with pytest.raises(luopan.CorruptManifestError, match="00000003"):
+        repo.checkpoints("run")
+    result = run_cli(["-r", root, "ls", "run"])
+    assert "DAMAGED" in result.output and "step 3" in result.output

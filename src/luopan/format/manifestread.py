@@ -4,6 +4,7 @@ parts of a manifest (a group's entries once per group, a shallow manifest's inli
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from ..errors import CorruptManifestError
@@ -24,6 +25,13 @@ def parse_manifest_header(data: bytes, where: str, run: str, step: int) -> dict[
         return _validated(doc, where, run, step, None)
     doc = _shallow(doc, where, run, step)
     check_entries(list(enumerate(doc["entries"])), doc["packs"], where, schema=False)
+    try:
+        created = datetime.fromisoformat(doc["created"].replace("Z", "+00:00"))
+    except ValueError:
+        created = None
+    if created is None or created.utcoffset() is None:
+        raise CorruptManifestError(f"manifest {where}: created time {doc['created'][:40]!r} is not an ISO-8601 time "
+                                   "with a timezone")
     return doc
 
 
