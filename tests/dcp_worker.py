@@ -1,7 +1,7 @@
 """Run by tests/test_dcp.py in several processes (torch.distributed, gloo, CPU): DCP saves and loads through
 luopan.dcp with sharded (DTensor) and replicated (DDP-like) state.
 
-    python dcp_worker.py save-sharded|load-sharded|save-replicated|save-die REPO WORLD PORT STEP
+    python dcp_worker.py save-sharded|save-sharded-fs|load-sharded|save-replicated|save-die REPO WORLD PORT STEP
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def full_state(step: int) -> dict[str, torch.Tensor]:
             "bias": torch.arange(16, dtype=torch.float64) * step}
 
 
+def column_tensor(step: int) -> torch.Tensor:
+    return torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6) + step
+
+
 def run(rank: int, world: int, op: str, repo: str, port: str, step: int) -> None:
     _run(rank, world, op, repo, port, step)
     sys.stdout.flush()
@@ -41,7 +45,7 @@ def _run(rank: int, world: int, op: str, repo: str, port: str, step: int) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     try:
         full = full_state(step)
-        if op in ("save-sharded", "load-sharded", "save-die"):
+        if op in ("save-sharded", "load-sharded", "save-die", "save-sharded-fs"):
             mesh = init_device_mesh("cpu", (world,))
             if op == "load-sharded":
                 target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
@@ -54,6 +58,9 @@ def _run(rank: int, world: int, op: str, repo: str, port: str, step: int) -> Non
                 return
             state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
             state["meta"] = {"step": step}
+            if op == "save-sharded-fs":  # with a column-sharded tensor, into luopan and into DCP's own files
+                state["col"] = distribute_tensor(column_tensor(step), mesh, [Shard(1)])
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(repo + "-fs"))
             if op == "save-die" and rank == 1:
                 writer = luopan.dcp.Writer(repo, "run", step)
                 original = writer.write_data

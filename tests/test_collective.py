@@ -133,8 +133,15 @@ def test_sharded_collective_save_is_stored_once_and_loads_whole_or_per_rank(tmp_
         with pytest.raises(luopan.StateMismatchError, match=r"'emb': checkpoint has torch float32\(259, 64\)"):
             repo.load_into("run", {**target, "emb": torch.zeros(130, 64)}, 1)
         repo.verify()
-        out = repo.export("run", tmp_path / "x.safetensors")
+        out = repo.export("run", path=tmp_path / "x.safetensors", pieces=True)
         assert out["tensors"] == len(paths)
+        whole = repo.export("run", path=tmp_path / "y.safetensors")  # the sharded tensors assembled, one each
+        sharded_paths = {p for p in paths if "/shard-" in p}
+        assert whole["tensors"] == len(paths) - len(sharded_paths) + len(ranks["sharded"])
+        from safetensors.torch import load_file
+
+        exported = load_file(tmp_path / "y.safetensors")
+        assert all(torch.equal(exported[k], full[k]) for k in ("emb", "col", "dt", "dt_rep", "tiny", "st"))
     verified = CliRunner().invoke(app, ["-r", str(repo_path), "verify"], catch_exceptions=False)
     assert verified.exit_code == 0, verified.output
     proc = spawn(child_env, "load-shards", repo_path, 2, 1)  # each rank: its own shards, reading only their chunks

@@ -109,7 +109,8 @@ def test_sharded_save_at_4_loads_at_4_2_and_1(tmp_path, child_env):
     with luopan.open(repo_path) as repo:
         info = repo.checkpoints("run")[0]
         assert info.logical_bytes == sum(v.numel() * v.element_size() for v in full_state(3).values())
-        loaded = repo.load("run")  # without DCP: each tensor's shards by offset
+        assert torch.equal(repo.load("run")["emb"], full_state(3)["emb"])  # without DCP: assembled whole
+        loaded = repo.load("run", pieces=True)  # or each tensor's shards by offset
         assert sorted(loaded["emb"]) == ["shard-0_0", "shard-16_0", "shard-32_0", "shard-48_0"]
         repo.verify()
 

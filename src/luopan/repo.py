@@ -97,23 +97,29 @@ class Repo:
                                              touched_rows=touched_rows, inputs=inputs, overlap=overlap,
                                              progress=progress)
 
-    def load(self, run: str, step: int | None = None, *, group: Any = None) -> Any:
-        """The state of checkpoint ``step`` of ``run`` (the latest when None), every chunk verified."""
-        return self.checkpointing.load(run, step, group=group)
+    def load(self, run: str, step: int | None = None, *, group: Any = None, pieces: bool = False) -> Any:
+        """The state of checkpoint ``step`` of ``run`` (the latest when None), every chunk verified. Sharded tensors
+        (a collective save's, a DCP checkpoint's) come back assembled whole; ``pieces=True``: each shard as stored,
+        under ``<path>/shard-<offsets>``."""
+        return self.checkpointing.load(run, step, group=group, pieces=pieces)
 
     @_step_second("target")
     def load_into(self, run: str, step: int | None = None, target: Any = None, *, strict: bool = True,
-                  group: Any = None) -> Any:
+                  group: Any = None, pieces: bool = False) -> Any:
         """Load checkpoint ``step`` (the latest when None) of ``run`` into ``target`` (a module, optimizer or
-        state dict) in place. ``load_into(run, target, step)`` (the old order) still works, with a warning."""
-        return self.checkpointing.load_into(run, target, step, strict=strict, group=group)
+        state dict) in place; a full-size tensor is filled from a sharded tensor's shards (``pieces=True``: the
+        target is keyed by the shards as stored). ``load_into(run, target, step)`` (the old order) still works,
+        with a warning."""
+        return self.checkpointing.load_into(run, target, step, strict=strict, group=group, pieces=pieces)
 
     @_step_second("path")
     def export(self, run: str, step: int | None = None, path: str | os.PathLike[str] | None = None, *,
-               subtree: str | None = None, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
-        """Write checkpoint ``step`` (the latest when None) of ``run`` as one safetensors file at ``path``.
-        ``export(run, path, step)`` (the old order) still works, with a warning."""
-        return self.checkpointing.export(run, path, step, subtree=subtree, progress=progress)
+               subtree: str | None = None, progress: Callable[[int], Any] | None = None,
+               pieces: bool = False) -> dict[str, Any]:
+        """Write checkpoint ``step`` (the latest when None) of ``run`` as one safetensors file at ``path``, sharded
+        tensors (DCP's, a collective save's) assembled into one tensor each (``pieces=True``: each shard as stored,
+        named ``<path>/shard-<offsets>``). ``export(run, path, step)`` (the old order) still works, with a warning."""
+        return self.checkpointing.export(run, path, step, subtree=subtree, progress=progress, pieces=pieces)
 
     def diff(self, run: str, step: int, to_step: int) -> dict[str, Any]:
         """Entries added, removed and changed from ``step`` to ``to_step`` of ``run``."""

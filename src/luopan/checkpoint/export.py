@@ -20,23 +20,36 @@ from ..errors import CheckpointNotFoundError, LuopanError, UnsupportedValueError
 from ..format.manifest import Manifest, Row, rows_of
 from ..store.base import Store
 from ..repository.parallel import WORKERS, ordered_map
-from ..repository.chunkio import ChunkRef, read_chunk, read_chunks
+from ..repository.chunkio import read_chunk, read_chunks
 from .deltaplan import zero_chunk
 from ..format.dtypes import SAFETENSORS_DTYPES
 from .._files import check_output_path
-from .chunkplan import PendingDelta, PendingXor, check_rows, chunk_refs, delta_jobs
+from ..tree import itemsize, new_array
+from .chunkplan import PendingDelta, check_rows, chunk_refs, delta_jobs, entry_jobs
+from .distributed.dcpview import layouts
+from .distributed.ranks import Sharded, byte_span, region
 
-def select_entries(m: Manifest, subtree: str | None) -> list[tuple[str, int]]:
-    """(name in the export, entry index) for every tensor entry at or below ``subtree`` (all when None)."""
-    out = []
+def select_entries(m: Manifest, subtree: str | None,
+                   sharded: dict[str, Sharded] | None = None) -> list[tuple[str, Any]]:
+    """(name in the export, entry index) for every tensor entry at or below ``subtree`` (all when None). With
+    ``sharded`` (layouts by path), the entries that are chunks of a sharded tensor give way to one (name, its
+    Sharded) at the place of its first chunk."""
+    owner = {c.entry: s for s in (sharded or {}).values() for c in s.chunks}
+    items: list[tuple[str, Any]] = []
     for i, e in enumerate(m.entries):
-        path = e["path"]
+        s = owner.get(i)
+        if s is None:
+            items.append((e["path"], i))
+        elif min(c.entry for c in s.chunks) == i:
+            items.append((s.path, s))
+    out = []
+    for path, item in items:
         if subtree is None:
-            out.append((path, i))
+            out.append((path, item))
         elif path == subtree:
-            out.append((path.rsplit("/", 1)[-1], i))
+            out.append((path.rsplit("/", 1)[-1], item))
         elif path.startswith(subtree.rstrip("/") + "/"):
-            out.append((path[len(subtree.rstrip("/")) + 1 :], i))
+            out.append((path[len(subtree.rstrip("/")) + 1 :], item))
     if not out:
         tops = sorted({e["path"].split("/", 1)[0] for e in m.entries})
         where = f"under {subtree!r}" if subtree else "at all"
@@ -52,47 +65,71 @@ def export_safetensors(
     out_path: str | os.PathLike[str],
     subtree: str | None = None,
     progress: Callable[[int], Any] | None = None,
+    *,
+    pieces: bool = False,
 ) -> dict[str, Any]:
-    """Write the selected tensors of manifest ``m`` to ``out_path`` as safetensors. Returns a summary.
+    """Write the selected tensors of manifest ``m`` to ``out_path`` as safetensors, sharded tensors whole unless
+    ``pieces``. Returns a summary.
 
     OutputPathError (nothing written) when ``out_path`` is a directory or its directory does not exist."""
     out_path = check_output_path(out_path)
-    selected = select_entries(m, subtree)
-    sizes = check_rows(store, m, sorted({m.entries[i].get("alias_of", i) for _name, i in selected}))
+    selected = select_entries(m, subtree, None if pieces else layouts(m).sharded)
+    used = [c.entry for _n, s in selected if isinstance(s, Sharded) for c in s.chunks]
+    used += [i for _n, i in selected if not isinstance(i, Sharded)]
+    sizes = check_rows(store, m, sorted({m.entries[i].get("alias_of", i) for i in used}))
     deltas: dict[int, PendingDelta] = {}
     header: dict[str, Any] = {"__metadata__": {
         "format": "pt", "luopan.run": m.run, "luopan.step": str(m.step), "luopan.fingerprint": m.doc["fingerprint"],
     }}
-    refs: list[tuple[ChunkRef, int, PendingDelta | PendingXor | None]] = []  # (chunk, its offset in the entry, row delta)
-    offset = 0
-    for name, i in selected:
-        e = m.entries[i]
-        if name == "__metadata__":
-            raise UnsupportedValueError(
-                f"entry {e['path']!r} would be named __metadata__, which safetensors reserves; export a subtree "
-                "that does not contain it (--subtree)"
-            )
-        code = SAFETENSORS_DTYPES.get(e["dtype"])
-        if code is None:
-            raise UnsupportedValueError(
-                f"entry {e['path']!r} has dtype {e['dtype']}, which safetensors cannot store; export a subtree "
-                "without it (--subtree) or convert it in a copy of the state"
-            )
-        header[name] = {"dtype": code, "shape": e["shape"], "data_offsets": [offset, offset + e["nbytes"]]}
-        offset += e["nbytes"]
-        source = e.get("alias_of", i)  # tied tensors are written once per name (safetensors shares nothing)
+    refs: list[Any] = []  # (chunk, its offset in the entry, row delta), or a callable giving a whole tensor's bytes
+
+    def add_entry(source: int) -> None:
         delta = deltas.get(source)
         if delta is None and ("delta" in m.entries[source] or "xor" in m.entries[source]):
             delta, jobs = delta_jobs(m, source, store, sizes)  # a (small) row delta first, then patch chunks
             read_chunks(store, jobs, sizes=sizes)
             deltas[source] = delta
-        refs += [(ref, pos, delta) for pos, ref in chunk_refs(m, source)]
+        refs.extend((ref, pos, delta) for pos, ref in chunk_refs(m, source))
+
+    offset = 0
+    for name, item in selected:
+        if isinstance(item, Sharded):
+            path, dtype, shape = item.path, item.dtype, list(item.size)
+            nbytes = sum(m.entries[c.entry]["nbytes"] for c in item.chunks)  # they tile it exactly (checked)
+        else:
+            e = m.entries[item]
+            path, dtype, shape, nbytes = e["path"], e["dtype"], e["shape"], e["nbytes"]
+        if name == "__metadata__":
+            raise UnsupportedValueError(
+                f"entry {path!r} would be named __metadata__, which safetensors reserves; export a subtree "
+                "that does not contain it (--subtree)"
+            )
+        code = SAFETENSORS_DTYPES.get(dtype)
+        if code is None:
+            raise UnsupportedValueError(
+                f"entry {path!r} has dtype {dtype}, which safetensors cannot store; export a subtree "
+                "without it (--subtree) or convert it in a copy of the state"
+            )
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        if not isinstance(item, Sharded):
+            add_entry(m.entries[item].get("alias_of", item))  # tied tensors are written once per name
+            continue
+        width = itemsize(item.kind, item.dtype) or 1
+        spans = [(byte_span(c, item.size, width), c) for c in item.chunks]
+        if all(span is not None for span, _c in spans):  # runs of rows: each shard's chunks in turn, streamed
+            for _span, c in sorted(spans, key=lambda sc: sc[0]):
+                add_entry(c.entry)
+        else:
+            refs.append(_assembler(store, m, item, sizes))
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
 
     tmp = f"{out_path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def fetch(job: tuple[ChunkRef, int, PendingDelta | PendingXor | None]) -> bytearray:
+    def fetch(job: Any) -> Any:
+        if callable(job):
+            return job()
         ref, pos, delta = job
         sizes.check(ref)  # before the buffer is sized by the row
         buf = bytearray(ref.size)
@@ -127,6 +164,24 @@ def export_safetensors(
         raise
     sync_placed(out_path)
     return {"path": out_path, "tensors": len(selected), "bytes": 8 + len(head) + offset}
+
+
+def _assembler(store: Store, m: Manifest, s: Sharded, sizes: Any) -> Callable[[], memoryview]:
+    """The bytes of sharded tensor ``s`` whole, read when called: its shards are not runs of rows, so it is put
+    together in memory (each chunk verified as read)."""
+    def build() -> memoryview:
+        whole, dest = new_array(s.kind, s.dtype, list(s.size))
+        jobs, parts = [], []
+        for c in s.chunks:
+            part, view = new_array(s.kind, s.dtype, list(c.sizes))
+            jobs += entry_jobs(store, m, c.entry, view, sizes)
+            parts.append((region(c), part))
+        read_chunks(store, jobs, sizes=sizes)
+        for where, part in parts:
+            whole[where] = part
+        return dest
+
+    return build
 
 
 def _output_error(exc: OSError, path: str) -> BaseException:

@@ -213,15 +213,18 @@ class Reading(CheckpointBase):
         *,
         subtree: str | None = None,
         progress: Callable[[int], Any] | None = None,
+        pieces: bool = False,
     ) -> dict[str, Any]:
         """Write checkpoint ``step`` of ``run`` (latest when None), or the tensors under key path ``subtree`` (e.g.
         ``"model"``), to one safetensors file at ``path``.
 
         Streams verified chunks, so it needs little memory; the file appears atomically. Tied tensors are written
-        under each name. Non-tensor leaves are not exported. ``progress(n)`` is called with the bytes of each chunk
-        written. Returns {"path", "tensors", "bytes"}.
+        under each name. Non-tensor leaves are not exported. A sharded tensor (a DCP checkpoint's, a collective
+        save's) is written whole under its path — streamed when its shards are runs of rows, else assembled in memory
+        one tensor at a time; ``pieces=True`` writes each shard as stored, named ``<path>/shard-<offsets>``.
+        ``progress(n)`` is called with the bytes of each chunk written. Returns {"path", "tensors", "bytes"}.
         """
-        return export_safetensors(self.store, self.manifest(run, step), path, subtree, progress)
+        return export_safetensors(self.store, self.manifest(run, step), path, subtree, progress, pieces=pieces)
 
     def diff(self, run: str, step: int, to_step: int) -> dict[str, Any]:
         """Entries changed, added and removed from checkpoint ``step`` to ``to_step`` of a run, with the bytes that

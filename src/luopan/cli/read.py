@@ -93,6 +93,9 @@ def export(
     output: Annotated[str, typer.Option("--output", "-o", help="safetensors file to write.")] = "model.safetensors",
     subtree: Annotated[Optional[str], typer.Option(help="Export only the tensors under this key path, e.g. model.")]
     = None,
+    pieces: Annotated[bool, typer.Option("--pieces", help="Write each shard of a sharded tensor (DCP, collective "
+                                         "saves) as stored, named PATH/shard-OFFSETS, instead of the whole "
+                                         "tensor.")] = False,
     adapter: Annotated[bool, typer.Option("--adapter", help="The checkpoint is a PEFT adapter (luopan.peft or "
                                           "luopan.hf): write a directory PeftModel.from_pretrained loads "
                                           "(adapter_model.safetensors + adapter_config.json) at --output, ./adapter by "
@@ -130,7 +133,8 @@ def export(
     with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("export", total=m.stats["logical_bytes"])
-        info = r.export(run, m.step, output, subtree=subtree, progress=lambda n: bar.advance(task, n))
+        info = r.export(run, m.step, output, subtree=subtree, progress=lambda n: bar.advance(task, n),
+                        pieces=pieces)
     if as_json:
         emit_json({"run": run, "step": m.step, **info, "signature": _sign_export(info["path"], sign, quiet=True)})
         return

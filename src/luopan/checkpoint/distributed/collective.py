@@ -72,27 +72,36 @@ class Collective(Parts):
             raise UsageError(f"a collective save does not take {', '.join(bad)}")
         return _save_collective(self, run, step, state, _group(group), **options)
 
-    def load(self, run: str, step: int | None = None, *, group: Any = None) -> Any:
+    def load(self, run: str, step: int | None = None, *, group: Any = None, pieces: bool = False) -> Any:
         """``Repo.load``; with ``group`` (every rank passing the same run and step, else CollectiveError on each),
         each rank gets its own values of a collective checkpoint — per-rank entries (``{"rank-0": …}`` nodes) and
         shards (its local tensor) — and reads only those; without it, all of them: per-rank values by rank, sharded
-        tensors assembled whole."""
+        tensors assembled whole. A DCP checkpoint (luopan.dcp.Writer) is loaded whole, its shards assembled (with
+        ``group``, on every rank: each rank's part of it is luopan.dcp.Reader's job). ``pieces=True``: the entries
+        as stored instead, each shard under ``<path>/shard-<offsets>`` (one process only)."""
+        if pieces:
+            _no_group(group)
+            return self._load_manifest(self.manifest(run, step))
         if group is None or group is False:
             m = self.manifest(run, step)
-            return collectiveload.load(self, m) if "ranks" in m.doc else self._load_manifest(m)
+            return collectiveload.load(self, m) if _laid_out(m) else self._load_manifest(m)
         g = _group(group)
         dist = _dist()
         m = self.manifest(run, _agreed(self, "load", run, step, g))
         return collectiveload.load(self, m, dist.get_rank(g), dist.get_world_size(g))
 
     def load_into(self, run: str, target: Any, step: int | None = None, *, strict: bool = True,
-                  group: Any = None) -> Any:
-        """``Repo.load_into``; for a collective checkpoint a target tensor at a sharded path is filled whole
-        (assembled) or, with ``group``, with this rank's shard (a plain local tensor, a ``luopan.Shard`` or a
-        ``DTensor`` holding the same shard as was saved); per-rank values as ``load`` gives them."""
+                  group: Any = None, pieces: bool = False) -> Any:
+        """``Repo.load_into``; for a collective or DCP checkpoint a target tensor at a sharded path is filled whole
+        (assembled) or, with ``group``, with this rank's shard of a collective one (a plain local tensor, a
+        ``luopan.Shard`` or a ``DTensor`` holding the same shard as was saved); per-rank values as ``load`` gives
+        them. ``pieces=True``: the target holds the entries as stored (``<path>/shard-<offsets>`` keys)."""
+        if pieces:
+            _no_group(group)
+            return self._load_manifest_into(self.manifest(run, step), target, strict=strict)
         if group is None or group is False:
             m = self.manifest(run, step)
-            if "ranks" not in m.doc:
+            if not _laid_out(m):
                 return self._load_manifest_into(m, target, strict=strict)
             return collectiveload.load_into(self, m, target, strict=strict)
         g = _group(group)
@@ -100,6 +109,16 @@ class Collective(Parts):
         m = self.manifest(run, _agreed(self, "load_into", run, step, g))
         return collectiveload.load_into(self, m, target, strict=strict, rank=dist.get_rank(g),
                                         world=dist.get_world_size(g))
+
+
+def _laid_out(m: Any) -> bool:
+    """Whether ``m`` records shard layouts or per-rank values (a collective save's ``ranks``, DCP's ``dcp``)."""
+    return "ranks" in m.doc or "dcp" in m.doc
+
+
+def _no_group(group: Any) -> None:
+    if group is not None and group is not False:
+        raise UsageError("pieces=True loads the entries as stored, in one process: drop group=")
 
 
 def _group(group: Any) -> Any:

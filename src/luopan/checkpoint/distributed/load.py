@@ -1,10 +1,10 @@
 """Loading a collective checkpoint (docs/format.md §10.5) as one rank of the world that saved it — that rank's
 per-rank values and shards, reading only their chunks — or whole, in one process: per-rank values as
-``{"rank-<r>": …}`` dicts and sharded tensors assembled into one tensor of their global shape."""
+``{"rank-<r>": …}`` dicts and sharded tensors assembled into one tensor of their global shape. A DCP checkpoint
+(§8.4, luopan.checkpoint.distributed.dcpview) is loaded whole the same way, its shards assembled."""
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +22,8 @@ from ...format.manifest import Manifest
 from ...format.names import join_path
 from ...repository.chunkio import PackSizes, read_chunks
 from ...tree import flatten, itemsize, new_array, unflatten
-from .ranks import Chunk, Ranks, Sharded, parse_ranks
+from .dcpview import layouts
+from .ranks import Chunk, Ranks, Sharded, byte_span, region
 from ..chunkplan import check_rows, entry_jobs
 from ..destinations import fresh_arrays
 from ..reading import writable_bytes
@@ -107,24 +108,6 @@ def _source(m: Manifest, i: int) -> int:
     return m.entries[i].get("alias_of", i)
 
 
-def region(c: Chunk) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
-
-
-def byte_span(c: Chunk, shape: tuple[int, ...], size: int) -> tuple[int, int] | None:
-    """(start, length) in bytes of chunk ``c`` within a C-order tensor of ``shape`` when it is one run of bytes
-    (rows of a row-sharded tensor), else None."""
-    if not math.prod(c.sizes):
-        return 0, 0
-    k = next((j for j, s in enumerate(c.sizes) if s > 1), len(c.sizes))
-    if any(c.offsets[j] or c.sizes[j] != shape[j] for j in range(k + 1, len(shape))):
-        return None
-    start = 0
-    for o, n in zip(c.offsets, shape):
-        start = start * n + o
-    return start * size, math.prod(c.sizes) * size
-
-
 class _Batch:
     """One batch of read jobs (read together on both cores), and the copies to make once they are verified."""
 
@@ -171,7 +154,9 @@ class _Batch:
 
 def load(repo: Any, m: Manifest, rank: int | None = None, world: int = 0) -> Any:
     """The state tree of collective checkpoint ``m`` for ``rank`` of a group of ``world`` (None: the whole)."""
-    ranks = parse_ranks(m)
+    ranks = layouts(m)
+    if not ranks.world:
+        rank = None  # saved by no group (a DCP checkpoint): every rank loads it whole
     if rank is not None:
         check_world(ranks, m, rank, world)
     tree, found = view(m, ranks, rank)
@@ -209,7 +194,9 @@ def load_into(repo: Any, m: Manifest, target: Any, *, strict: bool = True, rank:
     A sharded tensor goes into a whole tensor (assembled), into this rank's local tensor (with ``rank``), or into a
     ``luopan.Shard``/``DTensor`` target holding the same shard as one that was saved. Every mismatch is reported
     together before any tensor is touched; each chunk is verified before it is copied into the target."""
-    ranks = parse_ranks(m)
+    ranks = layouts(m)
+    if not ranks.world:
+        rank = None  # saved by no group (a DCP checkpoint): every rank loads it whole
     if rank is not None:
         check_world(ranks, m, rank, world)
     tree, found = view(m, ranks, rank)

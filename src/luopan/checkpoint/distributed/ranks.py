@@ -44,6 +44,24 @@ class Sharded:
         return next((c for c in self.chunks if c.offsets == offsets and c.sizes == sizes), None)
 
 
+def region(c: Chunk) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+
+
+def byte_span(c: Chunk, shape: tuple[int, ...], size: int) -> tuple[int, int] | None:
+    """(start, length) in bytes of chunk ``c`` within a C-order tensor of ``shape`` when it is one run of bytes
+    (rows of a row-sharded tensor), else None."""
+    if not math.prod(c.sizes):
+        return 0, 0
+    k = next((j for j, s in enumerate(c.sizes) if s > 1), len(c.sizes))
+    if any(c.offsets[j] or c.sizes[j] != shape[j] for j in range(k + 1, len(shape))):
+        return None
+    start = 0
+    for o, n in zip(c.offsets, shape):
+        start = start * n + o
+    return start * size, math.prod(c.sizes) * size
+
+
 @dataclass(frozen=True)
 class Ranks:
     """A manifest's ``ranks`` member, checked (world 0 and nothing else for a checkpoint saved by one process)."""
@@ -147,11 +165,28 @@ def _parse(doc: Any, entries: list[dict[str, Any]]) -> Ranks:
     per_rank = doc.get("per_rank", [])
     if type(per_rank) is not list or not all(type(p) is str for p in per_rank):
         raise _Bad("per_rank is not a list of key paths")
-    sharded: dict[str, Sharded] = {}
-    used: set[int] = set()
     raw = doc.get("sharded", {})
     if type(raw) is not dict:
         raise _Bad("sharded is not an object")
+    return Ranks(world, frozenset(per_rank), _layouts(raw, entries, world))
+
+
+def parse_layouts(raw: dict[str, Any], entries: list[dict[str, Any]], where: str) -> dict[str, Sharded]:
+    """Checked layouts ``{path: {"dtype", "size", "chunks": [[offsets, sizes, entry, []], ...]}}`` of tensors no
+    rank is recorded for (a DCP checkpoint's, luopan.checkpoint.distributed.dcpview): the checks of ``sharded``
+    but the ranks'. A damaged layout is a CorruptManifestError naming ``where``."""
+    try:
+        return _layouts(raw, entries, None)
+    except _Bad as exc:
+        raise CorruptManifestError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CorruptManifestError(f"{where} ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _layouts(raw: dict[str, Any], entries: list[dict[str, Any]], world: int | None) -> dict[str, Sharded]:
+    """The sharded tensors of ``raw``; with ``world``, every rank 0…world-1 must have held one chunk of each."""
+    sharded: dict[str, Sharded] = {}
+    used: set[int] = set()
     for path, rec in raw.items():
         if type(rec) is not dict or type(rec.get("dtype")) is not str or type(rec.get("chunks")) is not list:
             raise _Bad(f"{path!r} needs a dtype, a size and chunks")
@@ -162,7 +197,10 @@ def _parse(doc: Any, entries: list[dict[str, Any]]) -> Ranks:
                 raise _Bad(f"a chunk of {path!r} is not [offsets, sizes, entry, ranks]")
             offsets, sizes = _ints(c[0], f"offsets of {path!r}"), _ints(c[1], f"sizes of {path!r}")
             entry = _int(c[2], 0, len(entries) - 1, f"an entry of {path!r}")
-            ranks = _ints(c[3], f"ranks of {path!r}", world - 1, world)  # a replicated shard: up to every rank
+            if world is None:
+                ranks = _ints(c[3], f"ranks of {path!r}", 0, 0)  # none recorded
+            else:
+                ranks = _ints(c[3], f"ranks of {path!r}", world - 1, world)  # a replicated shard: up to every rank
             e = entries[entry]
             if not len(offsets) == len(sizes) == len(size):
                 raise _Bad(f"a chunk of {path!r} has {len(offsets)} offsets and {len(sizes)} sizes for "
@@ -177,10 +215,10 @@ def _parse(doc: Any, entries: list[dict[str, Any]]) -> Ranks:
             chunks.append(Chunk(offsets, sizes, entry, ranks))
         if len(kinds) != 1:
             raise _Bad(f"{path!r} has no chunks, or chunks of several kinds")
-        if len(holders) != world or sorted(holders) != list(range(world)):
+        if world is not None and (len(holders) != world or sorted(holders) != list(range(world))):
             raise _Bad(f"the chunks of {path!r} do not name each of the {world} ranks once")
         problem = cover_problem(size, [(c.offsets, c.sizes) for c in chunks])
         if problem:
             raise _Bad(f"{path!r} of size {list(size)}: {problem}")
         sharded[path] = Sharded(path, kinds.pop(), rec["dtype"], size, tuple(chunks))
-    return Ranks(world, frozenset(per_rank), sharded)
+    return sharded
