@@ -314,3 +314,19 @@ def test_readme_hf_example_runs_as_written(tmp_path, child_env) -> None:
         assert repo.steps("llama-lora") == [10, 20]
     assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
     assert not os.path.exists(tmp_path / "out" / "checkpoint-10")
+
+
+def test_load_adapter_returns_the_adapter_weights_only(tmp_path) -> None:
+    repo = luopan.open(tmp_path / "repo")
+    trained = lora(tiny_llama())
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.5)
+    luopan.peft.save_adapter(repo, "a", 1, trained, extra={"optimizer": {"lr": torch.tensor(0.1)}})
+    fresh = lora(tiny_llama())
+    got = luopan.peft.load_adapter(repo, "a", fresh)
+    expected = peft.get_peft_model_state_dict(trained)
+    assert set(got) == set(expected)  # PEFT's names, nothing of "peft" or "optimizer"
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
