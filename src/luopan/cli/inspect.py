@@ -107,8 +107,8 @@ def ls(
         t.add_column(col, justify="left" if col in ("time", "metrics", "tier") else "right")
     for c in cps:
         t.add_row(str(c.step), c.created[:19], metrics_text(c.metrics), human(c.logical_bytes),
-                  human(c.stored_bytes), ratio(c.dedup_ratio), *((tiers.get(c.step, "?"),) if tiers is not None
-                                                                   else ()))
+                  human(c.stored_bytes), ratio(c.dedup_ratio) if c.stored_bytes else "all reused",
+                  *((tiers.get(c.step, "?"),) if tiers is not None else ()))
     out.print(t)
     if damaged:
         err.print(f"[bold red]{len(damaged)} damaged checkpoint(s)[/]; run `luopan verify -r {escape(r.where)} "
