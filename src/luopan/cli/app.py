@@ -195,10 +195,32 @@ def open_repo(repo: str, **options: Any) -> Repo:
     return repo_open(repo, create=False, replicate=False, **options)
 
 
+def open_or_create_repo(repo: str) -> Repo:
+    """The repository at ``repo``, created when missing with the default options, as ``luopan.open(path)`` does (a
+    note on stderr says so: a mistyped path shows at once); ``luopan init`` creates one with other options."""
+    try:
+        return open_repo(repo)
+    except RepoNotFoundError:
+        r = repo_open(repo, replicate=False)
+        err.print(f"[yellow]note:[/] created a luopan repository at {escape(r.store.describe())}", highlight=False)
+        return r
+
+
 def opens_repo(fn: F) -> F:
     """The one decorator of a command that works on an existing repository. The command declares ``r: Repo``;
     the CLI shows it as the ``-r/--repo`` option (also before the command, or LUOPAN_REPO: repo_location), opens
-    the repository before the body runs and closes it after, and maps errors to exit codes (handles_errors)."""
+    the repository before the body runs and closes it after, and maps errors to exit codes (handles_errors). A
+    missing repository is RepoNotFoundError (exit 4), naming the path."""
+    return _repo_command(fn, open_repo)
+
+
+def creates_repo(fn: F) -> F:
+    """``opens_repo`` for a command that adds data (``artifact commit``): a missing repository is created first,
+    as ``luopan.open(path)`` does in Python (open_or_create_repo)."""
+    return _repo_command(fn, open_or_create_repo)
+
+
+def _repo_command(fn: F, opener: Callable[[str], Repo]) -> F:
     sig = inspect.signature(fn, eval_str=True)  # typer reads the annotations of __signature__ as given
     if "r" not in sig.parameters:
         raise TypeError(f"{fn.__name__}: a command that opens a repository takes r: Repo")
@@ -207,7 +229,7 @@ def opens_repo(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, repo: str | None = None, **kwargs: Any) -> Any:
-        r = open_repo(repo_location(repo))
+        r = opener(repo_location(repo))
         try:
             return fn(*args, r=r, **kwargs)
         finally:
