@@ -277,6 +277,21 @@ def ratio(x: float) -> str:
     return "∞" if math.isinf(x) else f"{x:.1f}×"
 
 
+# The one definition of the dedup ratio `du` and `stats` show (repository.usage), quoted in both --help texts.
+DEDUP_DEFINITION = ("Dedup ratio = logical bytes (what restoring them would write) / stored bytes (the distinct "
+                    "chunks they reference, as stored: compressed). Manifests, the index, refs and pack bytes no "
+                    "manifest references (gc frees them) are on storage but not in the ratio.")
+
+
+def dedup_ratio(logical: int, stored: int) -> float | None:
+    """``DEDUP_DEFINITION``'s ratio, rounded for JSON; None when nothing is stored."""
+    return round(logical / stored, 4) if stored else None
+
+
+def dedup_text(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f}×"
+
+
 def json_ratio(x: float) -> float | None:
     return None if math.isinf(x) else round(x, 4)
 
