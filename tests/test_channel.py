@@ -185,6 +185,26 @@ def test_one_publish_at_a_time(ch, tmp_path):
     assert not (chan / "index.json").exists()
 
 
+def test_the_served_tree_holds_no_lock_file(ch, tmp_path):
+    chan = tmp_path / "served"
+    publish(ch.repo, "run-a", 1, chan, sign_key=ch.key, subtree="model")
+    publish(ch.repo, "run-a", 2, chan, sign_key=ch.key, subtree="model")
+    served = sorted(os.path.relpath(os.path.join(d, f), chan) for d, _, fs in os.walk(chan) for f in fs)
+    assert [p for p in served if os.path.basename(p).startswith(".")] == [], served
+    assert sorted({p.split(os.sep)[0] for p in served}) == ["full", "index.json", "patches"]
+
+
+def test_an_older_publishers_lock_file_still_keeps_a_publish_out(ch, tmp_path):
+    chan = tmp_path / "old"
+    chan.mkdir()
+    with open(chan / ".publish.lock", "w") as held:  # an older luopan publishing now holds its lock file
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(luopan.LockedError, match="another `luopan publish`"):
+            publish(ch.repo, "run-a", 1, chan, sign_key=ch.key, subtree="model")
+    assert not (chan / "index.json").exists()
+    publish(ch.repo, "run-a", 1, chan, sign_key=ch.key, subtree="model")  # released: the publish goes ahead
+
+
 # -- pull over nginx ---------------------------------------------------------------------------------------------------
 @needs_nginx
 def test_a_device_with_v1_pulls_v3_through_the_patch(ch, device):

@@ -72,3 +72,19 @@ def test_artifact_command_errors(tmp_path):
     run("-r", repo, "artifact", "commit", "x", tmp_path, "--meta", "novalue", code=2)
     run("-r", repo, "artifact", "pin", "x", code=2)  # a version is needed
     assert "no artifacts yet" in run("-r", repo, "artifact", "ls")
+
+
+def test_commit_creates_a_missing_repository_as_luopan_open_does(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("hello")
+    fresh = tmp_path / "fresh"
+    r = CliRunner().invoke(app, ["artifact", "commit", "-r", str(fresh), "ds", str(tmp_path / "data")])
+    assert r.exit_code == 0, r.output
+    assert "created a luopan repository" in r.output and "committed ds@1" in r.output
+    import luopan
+
+    assert [v.version for v in luopan.open(fresh, create=False).artifact("ds").versions()] == [1]
+    for read in (["ls"], ["verify"], ["artifact", "ls"], ["du"]):  # reading a path with no repository: no repository
+        r = CliRunner().invoke(app, [*read, "-r", str(tmp_path / "none")])
+        assert r.exit_code == 4 and "no luopan repository" in r.output, (read, r.output)
+    assert not (tmp_path / "none").exists()

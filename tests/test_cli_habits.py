@@ -69,6 +69,24 @@ def test_stats_whole_repository_and_one_run(repo):
     assert "no checkpoints" in cli("stats", "-r", repo, "nope", code=4).output
 
 
+def test_du_and_stats_agree_on_one_repository(repo):
+    with luopan.open(repo, create=False) as r:
+        r.save("c", 1, {"gone": np.arange(4096, dtype=np.float32)})
+        r.delete("c", 1)  # its chunk stays in a pack until gc: on storage, in no manifest
+    du, st = as_json("du", "-r", repo), as_json("stats", "-r", repo)
+    for key in ("logical_bytes", "stored_bytes", "chunks", "dedup_ratio"):
+        assert du[key] == st[key] == st["repository"][key], key
+    assert du["dedup_ratio"] == pytest.approx(du["logical_bytes"] / du["stored_bytes"], abs=1e-3)
+    assert du["dedup_ratio"] > 2
+    assert du["physical_bytes"] > du["stored_bytes"] + 4096  # metadata and the deleted chunk: not in the ratio
+    text = cli("du", "-r", repo).stdout
+    assert f"{du['dedup_ratio']:.1f}× dedup" in text
+    assert f"{du['dedup_ratio']:.1f}× dedup" in cli("stats", "-r", repo).stdout
+    for command in ("du", "stats"):
+        shown = " ".join(cli(command, "--help").stdout.split())
+        assert "Dedup ratio = logical bytes" in shown and "/ stored bytes" in shown, command
+
+
 # -- check ---------------------------------------------------------------------------------------------------------
 
 def _pack_of(repo, run, step):

@@ -180,7 +180,16 @@ def test_save_total_limit_keeps_the_best_and_loads_it_at_the_end(tmp_path, limit
         assert torch.equal(v, best_model[k]), k
     info = {c.step: c for c in repo.checkpoints("hf-run")}
     assert "eval_loss" in info[best].metrics
-    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best}")
+    # the best is named by a luopan reference that resolves (no checkpoint-N directory exists to name)
+    ref = trainer.state.best_model_checkpoint
+    assert ref == f"hf-run@{best}" and repo.load("hf-run", best)["trainer_state"]["best_model_checkpoint"] == ref
+    from typer.testing import CliRunner
+
+    from luopan.cli.main import app
+
+    out = tmp_path / "best.safetensors"
+    r = CliRunner().invoke(app, ["export", "-r", str(tmp_path / "repo"), ref, "--subtree", "model", "-o", str(out)])
+    assert r.exit_code == 0 and out.stat().st_size > 0, r.output
 
 
 def test_a_best_found_at_an_unsaved_evaluation_does_not_lose_the_saved_best(tmp_path):
@@ -193,7 +202,7 @@ def test_a_best_found_at_an_unsaved_evaluation_does_not_lose_the_saved_best(tmp_
     trainer.compute_metrics = lambda pred: {"score": next(scores)}
     trainer.train()
     assert trainer.state.best_global_step == 6
-    assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
+    assert trainer.state.best_model_checkpoint == "hf-run@4"
     assert repo.steps("hf-run") == [4]
     best_model = repo.load("hf-run", 4)["model"]
     for k, v in trainer.model.state_dict().items():
@@ -314,3 +323,38 @@ def test_readme_hf_example_runs_as_written(tmp_path, child_env) -> None:
         assert repo.steps("llama-lora") == [10, 20]
     assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
     assert not os.path.exists(tmp_path / "out" / "checkpoint-10")
+
+
+def test_load_adapter_returns_the_adapter_weights_only(tmp_path) -> None:
+    repo = luopan.open(tmp_path / "repo")
+    trained = lora(tiny_llama())
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.5)
+    luopan.peft.save_adapter(repo, "a", 1, trained, extra={"optimizer": {"lr": torch.tensor(0.1)}})
+    fresh = lora(tiny_llama())
+    got = luopan.peft.load_adapter(repo, "a", fresh)
+    expected = peft.get_peft_model_state_dict(trained)
+    assert set(got) == set(expected)  # PEFT's names, nothing of "peft" or "optimizer"
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_the_best_reference_survives_a_resume(tmp_path):
+    repo = luopan.open(tmp_path / "repo")
+    scores = iter([9.0, 1.0, 2.0, 3.0])  # evals at 2, 4 (cut), then 6, 8 after the resume: the best stays step 2
+    opts = dict(max_steps=8, eval_ds=Tokens(4, 2), eval_strategy="steps", eval_steps=2, metric_for_best_model="score",
+                greater_is_better=True, load_best_model_at_end=True, save_total_limit=2)
+    cut, _ = make_trainer(tmp_path, repo, tiny_llama(), callbacks=[StopAt(4)], **opts)
+    cut.compute_metrics = lambda pred: {"score": next(scores)}
+    cut.train()
+    assert cut.state.best_model_checkpoint == "hf-run@2" and repo.steps("hf-run") == [2, 4]
+    resumed, _ = make_trainer(tmp_path, repo, tiny_llama(), **opts)
+    resumed.compute_metrics = lambda pred: {"score": next(scores)}
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.best_model_checkpoint == "hf-run@2"
+    assert repo.steps("hf-run") == [2, 6, 8]  # the newest two and, across the resume, the best
+    best_model = repo.load("hf-run", 2)["model"]
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, best_model[k]), k

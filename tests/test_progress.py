@@ -186,3 +186,19 @@ def test_readers_accept_manifests_without_timings_and_refuse_bad_ones(repo):
                 parse_manifest(data, "sample")
     old = SaveReport.from_info(CheckpointInfo.from_manifest(Manifest({**doc, "stats": base}), "k"))
     assert old.duration_seconds is None and old.stall_seconds is None and old.line().endswith(")")  # no timing
+
+
+def test_a_save_that_writes_nothing_new_says_so_not_a_ratio_over_zero(repo, capsys, always):
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    repo.save("r", 5, state)
+    repo.save("r", 5, state, overwrite=True)  # the same state again: every chunk is already stored
+    again = capsys.readouterr().err.splitlines()[-1]
+    assert "nothing new written (all 1 chunk already stored, 3.9 KiB logical)" in again, again
+    assert "0 B" not in again and "∞" not in again
+    from typer.testing import CliRunner
+
+    from luopan.cli.main import app
+
+    shown = CliRunner().invoke(app, ["ls", "-r", str(repo.where), "r"])
+    assert shown.exit_code == 0, shown.output
+    assert "∞" not in shown.output and "all reused" in shown.output

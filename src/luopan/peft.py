@@ -171,11 +171,13 @@ def save_adapter(repo: Any, run: str, step: int, model: Any, *, adapter_name: st
 def load_adapter(repo: Any, run: str, model: Any, step: int | None = None, *,
                  adapter_name: str | None = None) -> dict[str, Any]:
     """Load the adapter of checkpoint ``step`` (latest when None) into ``model``, refusing another base
-    (BaseMismatchError naming both fingerprints) before any weight changes. Returns the whole loaded tree."""
+    (BaseMismatchError naming both fingerprints) before any weight changes. Returns the adapter weights that were
+    loaded, under PEFT's names (``get_peft_model_state_dict``'s keys); whatever else was saved beside them (an
+    optimizer state passed as ``extra=``) is ``repo.load(run, step)``'s."""
     tree = repo.load(run, step)
     apply_adapter(model, tree, f"run {run!r} step {step if step is not None else repo.steps(run)[-1]}",
                   adapter_name)
-    return tree
+    return tree["model"]
 
 
 def peft_record(repo: Any, run: str, step: int | None = None) -> dict[str, Any] | None:

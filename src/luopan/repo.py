@@ -198,8 +198,10 @@ class Repo:
                        dry_run=dry_run, log=log)
 
     def du(self) -> dict[str, int]:
-        """Logical bytes over every manifest of every kind vs physical bytes in the store (``checkpoints``,
-        ``artifacts``: how many of each; ``damaged_manifests``: ones that could not be read)."""
+        """Logical bytes over every manifest of every kind, the bytes their distinct chunks take as stored
+        (``stored_bytes``: logical / stored is the dedup ratio ``luopan du`` and ``luopan stats`` show) and physical
+        bytes in the store (``checkpoints``, ``artifacts``: how many of each; ``damaged_manifests``: ones that could
+        not be read). See luopan.repository.usage."""
         return usage(self.repository)
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from .._files import (  # noqa: F401  (this module's API)
 )
 from ..errors import IntegrityError, LockedError, StorageError, StorageFullError, UsageError
 
-LOCK_NAME = ".publish.lock"
+LOCK_NAME = ".publish.lock"  # an older luopan's lock file: no longer made, only locked while present (publish_lock)
 
 
 def copy_atomic(src: str, dst: str) -> None:
@@ -76,22 +76,41 @@ def file_blake3(path: str) -> tuple[int, str]:
 
 @contextmanager
 def publish_lock(channel_dir: str) -> Iterator[None]:
-    """Hold the channel's publish lock (an flock on ``.publish.lock``): one publish at a time per channel, so two
-    never both write version N + 1. LockedError at once when another publish holds it."""
-    path = os.path.join(channel_dir, LOCK_NAME)
+    """Hold the channel's publish lock: an exclusive ``flock`` on the channel directory itself, opened without
+    following a link. One publish at a time per channel, so two never both write version N + 1; LockedError at once
+    when another publish holds it. No lock file is made: nothing but published files is ever in the served tree.
+    A ``.publish.lock`` an older luopan left in the channel is locked too while it is there (so a publisher of that
+    version running now is kept out), never created, and never followed when it is a link."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(channel_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise write_error(exc, path) from None
+        raise write_error(exc, channel_dir) from None
+    held = [fd]
     try:
+        _lock_exclusive(fd, channel_dir, channel_dir)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LockedError(f"another `luopan publish` is writing the channel {channel_dir} (it holds {path}); "
-                              "wait for it to finish") from None
+            held.append(os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise write_error(exc, os.path.join(channel_dir, LOCK_NAME)) from None
+        else:
+            _lock_exclusive(held[-1], channel_dir, os.path.join(channel_dir, LOCK_NAME))
         yield
     finally:
-        os.close(fd)
+        for f in held:
+            os.close(f)
+
+
+def _lock_exclusive(fd: int, channel_dir: str, what: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise LockedError(f"another `luopan publish` is writing the channel {channel_dir} (it holds a lock on "
+                          f"{what}); wait for it to finish") from None
+    except OSError as exc:  # e.g. a network filesystem that cannot lock a directory
+        raise StorageError(f"cannot lock {what} for publishing: {exc.strerror or exc}; publish into a channel "
+                           "directory on a local filesystem") from None
 
 
 def fd_blake3(fd: int) -> tuple[int, str]:

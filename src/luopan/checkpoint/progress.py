@@ -35,7 +35,8 @@ class SaveReport:
     seconds the caller was blocked (the duration for a synchronous save; the host copy for ``save_async``). Both
     are None for a checkpoint whose manifest does not record them. ``bytes_written``: bytes of pack files the save
     wrote (after compression); ``new_bytes``: raw bytes of the chunks it added; ``logical_bytes``: bytes of the
-    state. ``dedup_ratio``: logical bytes / bytes written (inf when nothing new was written).
+    state. ``dedup_ratio``: logical bytes / bytes written (inf when nothing new was written). ``chunks``: the
+    chunks the state is made of.
     """
 
     run: str
@@ -45,6 +46,7 @@ class SaveReport:
     bytes_written: int
     new_bytes: int
     logical_bytes: int
+    chunks: int = 0
 
     @property
     def save_seconds(self) -> float | None:
@@ -61,19 +63,25 @@ class SaveReport:
     @classmethod
     def from_info(cls, info: CheckpointInfo) -> SaveReport:
         return cls(info.run, info.step, info.stall_seconds, info.save_seconds, info.stored_bytes, info.new_bytes,
-                   info.logical_bytes)
+                   info.logical_bytes, info.chunks)
 
     def line(self) -> str:
         """One line for people: ``run 'a' step 500 committed: 1.2 GiB written (7.7 GiB logical, dedup 6.4x) in 3.41s,
-        stall 0.210s``."""
-        dedup = "all reused" if not self.bytes_written else f"dedup {self.dedup_ratio:.1f}x"
+        stall 0.210s``; a save that wrote nothing (the same state again) says so: ``nothing new written (all 12
+        chunks already stored, 7.7 GiB logical)``, not a ratio over zero bytes."""
         timing = ""
         if self.duration_seconds is not None:
             timing = f" in {format_duration(self.duration_seconds)}"
             if self.stall_seconds is not None:
                 timing += f", stall {format_duration(self.stall_seconds)}"
-        return (f"run {self.run!r} step {self.step} committed: {format_bytes(self.bytes_written)} written "
-                f"({format_bytes(self.logical_bytes)} logical, {dedup}){timing}")
+        head = f"run {self.run!r} step {self.step} committed: "
+        logical = f"{format_bytes(self.logical_bytes)} logical"
+        if not self.bytes_written:
+            stored = (f"all {self.chunks} chunk{'s' if self.chunks != 1 else ''} already stored, " if self.chunks
+                      else "")
+            return f"{head}nothing new written ({stored}{logical}){timing}"
+        return (f"{head}{format_bytes(self.bytes_written)} written ({logical}, dedup {self.dedup_ratio:.1f}x)"
+                f"{timing}")
 
 
 def _stderr_is_terminal() -> bool:

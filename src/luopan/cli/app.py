@@ -195,10 +195,32 @@ def open_repo(repo: str, **options: Any) -> Repo:
     return repo_open(repo, create=False, replicate=False, **options)
 
 
+def open_or_create_repo(repo: str) -> Repo:
+    """The repository at ``repo``, created when missing with the default options, as ``luopan.open(path)`` does (a
+    note on stderr says so: a mistyped path shows at once); ``luopan init`` creates one with other options."""
+    try:
+        return open_repo(repo)
+    except RepoNotFoundError:
+        r = repo_open(repo, replicate=False)
+        err.print(f"[yellow]note:[/] created a luopan repository at {escape(r.store.describe())}", highlight=False)
+        return r
+
+
 def opens_repo(fn: F) -> F:
     """The one decorator of a command that works on an existing repository. The command declares ``r: Repo``;
     the CLI shows it as the ``-r/--repo`` option (also before the command, or LUOPAN_REPO: repo_location), opens
-    the repository before the body runs and closes it after, and maps errors to exit codes (handles_errors)."""
+    the repository before the body runs and closes it after, and maps errors to exit codes (handles_errors). A
+    missing repository is RepoNotFoundError (exit 4), naming the path."""
+    return _repo_command(fn, open_repo)
+
+
+def creates_repo(fn: F) -> F:
+    """``opens_repo`` for a command that adds data (``artifact commit``): a missing repository is created first,
+    as ``luopan.open(path)`` does in Python (open_or_create_repo)."""
+    return _repo_command(fn, open_or_create_repo)
+
+
+def _repo_command(fn: F, opener: Callable[[str], Repo]) -> F:
     sig = inspect.signature(fn, eval_str=True)  # typer reads the annotations of __signature__ as given
     if "r" not in sig.parameters:
         raise TypeError(f"{fn.__name__}: a command that opens a repository takes r: Repo")
@@ -207,7 +229,7 @@ def opens_repo(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, repo: str | None = None, **kwargs: Any) -> Any:
-        r = open_repo(repo_location(repo))
+        r = opener(repo_location(repo))
         try:
             return fn(*args, r=r, **kwargs)
         finally:
@@ -253,6 +275,21 @@ def print_plan(decided: Any, what: str, name: str, dry_run: bool, as_json: bool)
 
 def ratio(x: float) -> str:
     return "∞" if math.isinf(x) else f"{x:.1f}×"
+
+
+# The one definition of the dedup ratio `du` and `stats` show (repository.usage), quoted in both --help texts.
+DEDUP_DEFINITION = ("Dedup ratio = logical bytes (what restoring them would write) / stored bytes (the distinct "
+                    "chunks they reference, as stored: compressed). Manifests, the index, refs and pack bytes no "
+                    "manifest references (gc frees them) are on storage but not in the ratio.")
+
+
+def dedup_ratio(logical: int, stored: int) -> float | None:
+    """``DEDUP_DEFINITION``'s ratio, rounded for JSON; None when nothing is stored."""
+    return round(logical / stored, 4) if stored else None
+
+
+def dedup_text(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f}×"
 
 
 def json_ratio(x: float) -> float | None:

@@ -19,6 +19,7 @@ from .app import (
     MARKUP,
     JsonOpt,
     app,
+    creates_repo,
     emit_json,
     err,
     escape,
@@ -114,7 +115,7 @@ def _meta(pairs: list[str]) -> dict[str, Any]:
 
 
 @artifact_app.command("commit")
-@opens_repo
+@creates_repo
 def commit(
     *,
     r: Repo,
@@ -126,7 +127,8 @@ def commit(
                                             help="Metadata to record (repeatable; numbers stay numbers).")] = [],  # noqa: B006
     as_json: JsonOpt = False,
 ) -> None:
-    """Commit PATH as the next version of artifact NAME; writes only chunks the repository lacks."""
+    """Commit PATH as the next version of artifact NAME; writes only chunks the repository lacks. A missing
+    repository is created (as luopan.open does; `luopan init` creates one with other options)."""
     with bar("committing", None) as advance:
         v = r.artifact(name).commit(path, parents=parent or None, metadata=_meta(meta), progress=advance)
     if as_json:

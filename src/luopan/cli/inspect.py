@@ -13,8 +13,11 @@ from ..repo import Repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from .artifact import KindOpt, is_artifact_target, print_log
 from .app import (
+    DEDUP_DEFINITION,
     JsonOpt,
     app,
+    dedup_ratio,
+    dedup_text,
     emit_json,
     err,
     escape,
@@ -107,8 +110,8 @@ def ls(
         t.add_column(col, justify="left" if col in ("time", "metrics", "tier") else "right")
     for c in cps:
         t.add_row(str(c.step), c.created[:19], metrics_text(c.metrics), human(c.logical_bytes),
-                  human(c.stored_bytes), ratio(c.dedup_ratio), *((tiers.get(c.step, "?"),) if tiers is not None
-                                                                   else ()))
+                  human(c.stored_bytes), ratio(c.dedup_ratio) if c.stored_bytes else "all reused",
+                  *((tiers.get(c.step, "?"),) if tiers is not None else ()))
     out.print(t)
     if damaged:
         err.print(f"[bold red]{len(damaged)} damaged checkpoint(s)[/]; run `luopan verify -r {escape(r.where)} "
@@ -311,18 +314,19 @@ def _step(text: str) -> int:
         raise UsageError(f"a step is a number, got {text!r}") from None
 
 
-@app.command()
+@app.command(help="Logical size of all checkpoints and artifact versions (every kind of manifest) vs the bytes they "
+             "take as stored, and the size on storage. " + DEDUP_DEFINITION + " `luopan stats` uses the same "
+             "definition for checkpoints.")
 @opens_repo
 def du(*, r: Repo, as_json: JsonOpt = False) -> None:
-    """Logical size of all checkpoints and artifact versions vs physical size on storage."""
     report_strays(r)
     d = r.du()
-    ratio = d["logical_bytes"] / d["physical_bytes"] if d["physical_bytes"] else 0.0
+    ratio = dedup_ratio(d["logical_bytes"], d["stored_bytes"])
     if as_json:
-        emit_json({**d, "dedup_ratio": round(ratio, 4)})
+        emit_json({**d, "dedup_ratio": ratio})
         return
     arts = f" and {d['artifacts']} artifact version(s)" if d.get("artifacts") else ""
     out.print(f"{d['checkpoints']} checkpoint(s){arts}: {human(d['logical_bytes'])} logical, "
-              f"{human(d['physical_bytes'])} on storage ({ratio:.1f}× dedup)")
-    out.print(f"  packs {human(d['pack_bytes'])}, index {human(d['index_bytes'])}, "
-              f"manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])}")
+              f"{human(d['stored_bytes'])} stored in {d['chunks']} distinct chunk(s) ({dedup_text(ratio)} dedup)")
+    out.print(f"on storage: {human(d['physical_bytes'])} (packs {human(d['pack_bytes'])}, index "
+              f"{human(d['index_bytes'])}, manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])})")

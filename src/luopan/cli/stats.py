@@ -16,24 +16,29 @@ from ..format.names import check_run
 from ..repo import Repo
 from ..repository.verify import manifest_chunk_refs
 from .app import (
+    DEDUP_DEFINITION,
     JsonOpt,
     app,
+    dedup_ratio,
+    dedup_text,
     emit_json,
     err,
     escape,
     human,
-    json_ratio,
     not_found,
     opens_repo,
     out,
-    ratio,
     report_strays,
     table,
 )
 from .grammar import RUN_REF, checkpoint_ref
 
 
-@app.command()
+@app.command(help="Checkpoints, logical size (what restoring them all would write), stored size (the distinct chunks "
+             "they reference, as stored: compressed), dedup ratio, a per-run breakdown (with the bytes only that run "
+             "references: what `luopan rm RUN` then `luopan gc` would free) and the largest entries of each run's "
+             "newest checkpoint. " + DEDUP_DEFINITION + " `luopan du` uses the same definition over every kind of "
+             "manifest (artifact versions too).")
 @opens_repo
 def stats(
     *,
@@ -43,9 +48,6 @@ def stats(
     = 10,
     as_json: JsonOpt = False,
 ) -> None:
-    """Checkpoints, logical size (what restoring them all would write), stored size (the distinct chunks they
-    reference, as stored: compressed), dedup ratio, a per-run breakdown (with the bytes only that run references:
-    what `luopan rm RUN` then `luopan gc` would free) and the largest entries of each run's newest checkpoint."""
     if run is not None:
         check_run(run)
     report_strays(r, run)
@@ -88,18 +90,18 @@ def stats(
         mine = [k for k, users in chunk_runs.items() if row["run"] in users]
         row["stored_bytes"] = sum(chunk_len[k] for k in mine)
         row["exclusive_bytes"] = sum(chunk_len[k] for k in mine if len(chunk_runs[k]) == 1)
-        row["dedup_ratio"] = json_ratio(row["logical_bytes"] / row["stored_bytes"] if row["stored_bytes"]
-                                        else float("inf"))
+        row["dedup_ratio"] = dedup_ratio(row["logical_bytes"], row["stored_bytes"])
     selected = [k for k, users in chunk_runs.items() if users & set(runs)]
     logical = sum(row["logical_bytes"] for row in per_run)
     stored = sum(chunk_len[k] for k in selected)
     largest = sorted(largest, key=lambda e: (-e["nbytes"], e["run"], e["path"]))[:top]
     doc: dict[str, Any] = {"run": run, "checkpoints": sum(row["checkpoints"] for row in per_run),
                            "logical_bytes": logical, "stored_bytes": stored, "chunks": len(selected),
-                           "dedup_ratio": json_ratio(logical / stored if stored else float("inf")),
+                           "dedup_ratio": dedup_ratio(logical, stored),
                            "runs": per_run, "largest_entries": largest, "damaged": damaged}
     if run is None:
-        doc["repository"] = r.du()
+        d = r.du()
+        doc["repository"] = {**d, "dedup_ratio": dedup_ratio(d["logical_bytes"], d["stored_bytes"])}
     if as_json:
         emit_json(doc)
         if damaged:
@@ -107,7 +109,7 @@ def stats(
         return
     what = f"run {run}" if run is not None else r.store.describe()
     out.print(f"{what}: {doc['checkpoints']} checkpoint(s), {human(logical)} logical, {human(stored)} stored in "
-              f"{len(selected)} distinct chunk(s) ({ratio(logical / stored if stored else float('inf'))} dedup)",
+              f"{len(selected)} distinct chunk(s) ({dedup_text(doc['dedup_ratio'])} dedup)",
               highlight=False, markup=False)
     if run is None:
         d = doc["repository"]
@@ -121,7 +123,7 @@ def stats(
         for row in per_run:
             t.add_row(row["run"], str(row["checkpoints"]), str(row["latest_step"]),
                       human(row["logical_bytes"]), human(row["stored_bytes"]), human(row["exclusive_bytes"]),
-                      "∞" if row["dedup_ratio"] is None else f"{row['dedup_ratio']:.1f}×")
+                      dedup_text(row["dedup_ratio"]))
         out.print(t)
     if largest:
         t = table(title="largest entries (newest checkpoint of each run)")

@@ -7,7 +7,10 @@ optimizer, LR scheduler, AMP scaler, the RNG states (as tensors) and ``trainer_s
 resume_from_checkpoint=True)`` resumes from the latest luopan checkpoint of the run, ``=N`` (an int) from step N
 (a path ``…/checkpoint-N`` that does not exist on disk also means step N; an existing directory is left to the
 Trainer). ``save_total_limit`` rotates luopan checkpoints the way the Trainer rotates directories, never deleting the
-best saved one, nor a pinned one (``load_best_model_at_end`` loads the best from luopan at the end).
+best saved one, nor a pinned one (``load_best_model_at_end`` loads the best from luopan at the end). As there is no
+directory, ``trainer.state.best_model_checkpoint`` is the luopan reference ``RUN@STEP`` of the best saved checkpoint
+(e.g. ``"run-a@400"``, also in the saved ``trainer_state``): ``luopan export -r REPO RUN@STEP`` writes its weights,
+``repo.load(run, step)`` reads it.
 
 A training only adds steps after the one it resumed from: it refuses to start when the run already holds checkpoints
 it would replace or rotate away (a fresh ``train()`` into a used run, or a resume from an earlier step of a run that
@@ -207,7 +210,7 @@ class LuopanCallback(TrainerCallback):
         steps = set(self.repo.steps(self.run))
         best = state.best_global_step
         if best and (best == step or best in steps):  # as the Trainer: only a best step that was saved counts
-            state.best_model_checkpoint = os.path.join(trainer._get_output_dir(trial=trial), f"checkpoint-{best}")
+            state.best_model_checkpoint = f"{self.run}@{best}"  # a luopan reference: no directory holds it
         for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control]
                    if isinstance(c, ExportableState)]:  # as the Trainer records its stateful callbacks
             cb_state = cb.state()
@@ -218,7 +221,7 @@ class LuopanCallback(TrainerCallback):
         tree = self.state_tree(trainer)
         self.repo.save(self.run, step, tree, metrics=logged_metrics(state, step), overwrite=True,
                        metadata={"hf": {"checkpoint": f"checkpoint-{step}", "transformers_trainer": True}})
-        self._rotate(args.save_total_limit, _best_step(state))
+        self._rotate(args.save_total_limit, _best_step(state, self.run))
 
     def state_tree(self, trainer: Trainer) -> dict[str, Any]:
         """What one Trainer checkpoint is in luopan."""
@@ -254,7 +257,7 @@ class LuopanCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer deletes every checkpoint but the best at the end when save_total_limit == 1: the same here.
-        best = _best_step(state)
+        best = _best_step(state, self.run)
         if args.save_total_limit == 1 and best is not None:
             steps = self.repo.steps(self.run)
             if best in steps:
@@ -288,10 +291,9 @@ class LuopanCallback(TrainerCallback):
             trainer.lr_scheduler.load_state_dict(tree["scheduler"])
         for name in ("optimizer", "scheduler"):
             tree.pop(name, None)
-        saved = tree["trainer_state"].get("best_model_checkpoint")  # withheld from the Trainer: not a directory
-        if trainer.state.best_model_checkpoint is None and isinstance(saved, str) and \
-                _checkpoint_step(saved) in self.repo.steps(self.run):
-            trainer.state.best_model_checkpoint = saved
+        saved = _ref_step(tree["trainer_state"].get("best_model_checkpoint"), self.run)  # withheld: not a directory
+        if trainer.state.best_model_checkpoint is None and saved in self.repo.steps(self.run):
+            trainer.state.best_model_checkpoint = f"{self.run}@{saved}"
 
     def _t_load_scaler(self, checkpoint: Any) -> None:
         tree = self._tree_for(checkpoint)
@@ -315,7 +317,7 @@ class LuopanCallback(TrainerCallback):
     def _t_load_best_model(self) -> None:
         trainer = self.trainer
         assert trainer is not None
-        best = _best_step(trainer.state)
+        best = _best_step(trainer.state, self.run)
         if best in self.repo.steps(self.run):
             self._load_model(trainer.model, self.repo.load(self.run, best), best)
         elif os.path.isdir(str(trainer.state.best_model_checkpoint)):  # a Trainer directory this run resumed from
@@ -325,15 +327,22 @@ class LuopanCallback(TrainerCallback):
                           f"{self.run!r} nor on disk: the final model is not the best one", stacklevel=2)
 
 
-def _checkpoint_step(path: Any) -> int | None:
-    match = _CHECKPOINT_DIR.search(str(path).rstrip("/")) if path else None
+def _ref_step(value: Any, run: str) -> int | None:
+    """The step ``best_model_checkpoint`` names in ``run``: ``RUN@STEP`` (what this callback sets), or a
+    ``…/checkpoint-N`` path (what the Trainer sets, and what older luopan versions saved); None otherwise."""
+    if not isinstance(value, str) or not value:
+        return None
+    name, at, number = value.rpartition("@")
+    if at:
+        return int(number) if name == run and number.isascii() and number.isdigit() else None
+    match = _CHECKPOINT_DIR.search(value.rstrip("/"))
     return int(match.group(1)) if match else None
 
 
-def _best_step(state: Any) -> int | None:
+def _best_step(state: Any, run: str) -> int | None:
     """The step of the best checkpoint the Trainer tracks (``best_model_checkpoint``: only a saved best counts, not
     ``best_global_step``, which also moves at an evaluation that was not saved)."""
-    return _checkpoint_step(state.best_model_checkpoint)
+    return _ref_step(state.best_model_checkpoint, run)
 
 
 def _calling_trainer(callback: LuopanCallback) -> Trainer | None:
