@@ -53,13 +53,13 @@ class KillAt(Callback):
 
 
 def fit(repo: str, ckpt_dir: str, run: str, max_epochs: int, ckpt_path: str | None = None,
-        kill_at: int | None = None) -> Net:
+        kill_at: int | None = None, inputs: list[str] | None = None) -> Net:
     L.seed_everything(0, workers=True)
     model = Net(data_dir=pathlib.Path("/data/train"))
     callbacks: list[Callback] = [ModelCheckpoint(dirpath=ckpt_dir, monitor="loss", save_top_k=2, save_last=True)]
     if kill_at is not None:
         callbacks.append(KillAt(kill_at))
-    trainer = L.Trainer(max_epochs=max_epochs, plugins=[LuopanCheckpointIO(repo, run)], callbacks=callbacks,
+    trainer = L.Trainer(max_epochs=max_epochs, plugins=[LuopanCheckpointIO(repo, run, inputs=inputs)], callbacks=callbacks,
                         deterministic=True, logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, data(), ckpt_path=ckpt_path)
     return model

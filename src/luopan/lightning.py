@@ -51,8 +51,10 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any]:
 class LuopanCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` storing every checkpoint in luopan repository ``repo_or_url`` under ``run``."""
 
-    def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str) -> None:
+    def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str, *,
+                 inputs: list[str] | None = None) -> None:
         self.location = _location(repo_or_url)
+        self.inputs = list(inputs) if inputs else None  # lineage: "NAME@V" each checkpoint was trained on (§8)
         self.run = check_run(run)
         self._repo = repo_or_url if isinstance(repo_or_url, Repo) else None
         self._pointers: dict[str, int] = {}  # pointer path -> step, every pointer this plugin wrote
@@ -81,7 +83,7 @@ class LuopanCheckpointIO(CheckpointIO):
                 "training its own run (LuopanCheckpointIO(repo, 'new-run')), or delete that step first")
         # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
         self.repo.save(self.run, step, checkpoint, metrics=metrics or None, overwrite=True,
-                       metadata={"lightning_path": path})
+                       metadata={"lightning_path": path}, inputs=self.inputs)
         self._write_pointer(path, step)
         self._pointers[path] = step
         if before is not None and before["step"] != step and self._owns(before):

@@ -64,8 +64,10 @@ class Writer(StorageWriter):
     """
 
     def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str, step: int, *,
-                 metrics: dict[str, Any] | None = None, overwrite: bool = False, trust_versions: bool = False) -> None:
+                 metrics: dict[str, Any] | None = None, overwrite: bool = False, trust_versions: bool = False,
+                 inputs: list[str] | None = None) -> None:
         super().__init__()
+        self.inputs = list(inputs) if inputs else None  # lineage: "NAME@V" the checkpoint was trained on (§8)
         self.location = repo_or_url
         self.run = check_run(run)
         self.step = check_step(step)
@@ -175,7 +177,7 @@ class Writer(StorageWriter):
         tree = {"dict": [[fqn, node] for fqn, node in sorted(nodes.items())]}
         self.info = repo.checkpointing.commit_entries(self.run, self.step, entries, tree, metrics=self.metrics,
                                         extra={"dcp": encode_metadata(metadata, storage)}, overwrite=self.overwrite,
-                                        written=written)
+                                        written=written, inputs=self.inputs)
 
 
 def _value_node(item: Any, data: io.BytesIO) -> dict[str, Any]:

@@ -63,8 +63,10 @@ class LuopanCallback(TrainerCallback):
     """Store every checkpoint of the Trainer it is given to in luopan (module docstring). ``run`` defaults to the
     name of ``args.output_dir``."""
 
-    def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str | None = None) -> None:
+    def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str | None = None, *,
+                 inputs: list[str] | None = None) -> None:
         self.location = repo_or_url
+        self.inputs = list(inputs) if inputs else None  # lineage: "NAME@V" each checkpoint was trained on (§8)
         self.run = check_run(run) if run is not None else None
         self.trainer: Trainer | None = None
         self._repo = repo_or_url if isinstance(repo_or_url, Repo) else None
@@ -220,7 +222,8 @@ class LuopanCallback(TrainerCallback):
                 state.stateful_callbacks[type(cb).__name__] = cb_state
         tree = self.state_tree(trainer)
         self.repo.save(self.run, step, tree, metrics=logged_metrics(state, step), overwrite=True,
-                       metadata={"hf": {"checkpoint": f"checkpoint-{step}", "transformers_trainer": True}})
+                       metadata={"hf": {"checkpoint": f"checkpoint-{step}", "transformers_trainer": True}},
+                       inputs=self.inputs)
         self._rotate(args.save_total_limit, _best_step(state, self.run))
 
     def state_tree(self, trainer: Trainer) -> dict[str, Any]:

@@ -65,8 +65,8 @@ class CheckpointManager:
                  policy: Any = None, async_save: bool = False, trust_versions: bool = False,
                  verify_every: int = 10, verify_sample: int = 8, config: dict[str, Any] | None = None,
                  retention: Any = None, clock: Callable[[], float] = time.monotonic, progress: bool | None = None,
-                 on_save: Callable[[SaveReport], Any] | None = None, resume_check: ResumeCheck | bool = True
-                 ) -> None:
+                 on_save: Callable[[SaveReport], Any] | None = None, resume_check: ResumeCheck | bool = True,
+                 inputs: list[str] | None = None) -> None:
         check_run(run)  # before the repository is opened or created
         self._owns_repo = not isinstance(repo, Repo)
         self.repo = repo if isinstance(repo, Repo) else open_repo(repo)
@@ -74,6 +74,9 @@ class CheckpointManager:
         self.state = state
         self.policy = policy if policy is not None else EveryNSteps(100)
         self.async_save = async_save
+        # What the run is trained on ("NAME@V": artifact versions, other checkpoints): every save records it as its
+        # manifest's ``inputs`` (lineage, docs/format.md §8); checked at the first save.
+        self.inputs = list(inputs) if inputs else None
         self.trust_versions = trust_versions
         self.verify_every = verify_every
         self.verify_sample = verify_sample
@@ -197,11 +200,12 @@ class CheckpointManager:
         if self.async_save:
             out = self.repo.save_async(self.run, step, tree, metrics=metrics, metadata=metadata,
                                        trust_versions=self.trust_versions, overwrite=self._replaces(step),
-                                       progress=self.progress)
+                                       progress=self.progress, inputs=self.inputs)
             self._pending = (out, step, self.clock() - start)  # booked once it is committed (_finish_pending)
             return out
         out = self.repo.save(self.run, step, tree, metrics=metrics, metadata=metadata,
-                             trust_versions=self.trust_versions, overwrite=self._replaces(step), progress=self.progress)
+                             trust_versions=self.trust_versions, overwrite=self._replaces(step), progress=self.progress,
+                             inputs=self.inputs)
         self._booked(step, self.clock() - start)
         self._check_saved(step, tree)
         self._report(out)
