@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..format import ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION
-from ..format.groups import _ROW_MEMBERS, with_pack_ids
+from ..format.groups import with_pack_ids
+from ..format.manifest import stored_rows, uses_new_codecs
 from ..format.pack import BlobLocation
 from ..repository.packwriter import PackChecker
 
@@ -30,22 +31,12 @@ class StoredGroup(NamedTuple):
     packs: tuple[str, ...]
 
 
-def rows_in(entry: dict[str, Any]) -> list[list[Any]]:
-    """Every chunk row of an entry (its chunks, a row delta's index and values, an XOR delta's chunks)."""
-    out: list[list[Any]] = []
-    for path in _ROW_MEMBERS:
-        holder = entry.get(path[0]) if len(path) == 2 else entry
-        if isinstance(holder, dict):
-            out += holder.get(path[-1]) or ()
-    return out
-
-
 def level(entry: dict[str, Any]) -> int:
     """The format_version an entry's own content needs (row deltas, XOR deltas, new codecs, segments)."""
     d = entry.get("delta")
     if d is not None and "segments" in d:
         return SEGMENTS_FORMAT_VERSION
-    if d is not None or "xor" in entry or any(r[5] not in ("none", "zstd") for r in rows_in(entry)):
+    if d is not None or "xor" in entry or uses_new_codecs([entry]):
         return ENGINE2_FORMAT_VERSION
     return 1
 
@@ -76,7 +67,7 @@ class Basis:
         out = self._extents.get(id(e))
         if out is None:
             ends: dict[str, int] = {}
-            for r in rows_in(e):
+            for r in stored_rows(e):
                 ends[r[1]] = max(ends.get(r[1], 0), r[2] + r[3])
             out = self._extents[id(e)] = [BlobLocation(p, 0, end, end, "none") for p, end in ends.items()]
         return out
@@ -97,7 +88,7 @@ class Basis:
                 or "alias_of" in entry or any(prev.get(k) != entry.get(k)
                                               for k in ("kind", "dtype", "shape", "nbytes", "scalar"))):
             return None
-        if bad and any(r[0] in bad for r in rows_in(prev)):
+        if bad and any(r[0] in bad for r in stored_rows(prev)):
             return None
         if not all(checker.reusable(loc) for loc in self.extents(prev)):
             return None
@@ -111,15 +102,3 @@ class Basis:
                 self._extents[k] = previous._extents[k]
             if k in previous._levels:
                 self._levels[k] = previous._levels[k]
-
-
-def row_count(e: dict[str, Any]) -> int:
-    return len(rows_in(e))
-
-
-def entry_packs(e: dict[str, Any]) -> list[str]:
-    """The pack ids a carried entry's rows name, in first-use order."""
-    seen: dict[str, None] = {}
-    for r in rows_in(e):
-        seen.setdefault(r[1], None)
-    return list(seen)

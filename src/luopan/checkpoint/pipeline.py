@@ -16,14 +16,13 @@ from ..tree import Leaf
 from ..errors import CheckpointExistsError, IntegrityError, LuopanError
 from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION
 from ..format.chunking import chunk_spans
-from ..format.manifest import Row, encode_metrics, structure_fingerprint, uses_new_codecs
+from ..format.manifest import Row, encode_metrics, stored_rows, structure_fingerprint, uses_new_codecs
 from ..format.names import manifest_key
 from ..format.codecs import encode_blob
 from ..repository.chunkwriter import ChunkWriter, Item, stored_plainly
 from ..repository.parallel import shared_pool
 from .commit import seal_checkpoint, write_latest_ref
 from .environment import code_version, environment
-from .carry import row_count
 from .grouping import GroupStore
 from .trackstate import TrackUpdates
 from .request import SaveRequest
@@ -381,7 +380,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
             "tree": req.skeleton,
             "stats": {
                 "logical_bytes": sum(e["nbytes"] for e in entries if "alias_of" not in e),
-                "chunks": sum(len(r) for r in rows) + sum(row_count(e) for e in carried.values()),
+                "chunks": sum(len(r) for r in rows) + sum(len(stored_rows(e)) for e in carried.values()),
                 "new_chunks": self.chunks.new_chunks,
                 "new_bytes": self.chunks.new_bytes,
                 "stored_bytes": self.chunks.stored_bytes,
