@@ -6,21 +6,19 @@ The page in a real browser: tests/test_report_browser.py."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import luopan
-from luopan.cli.main import app
 from luopan.policies import EveryNSteps
 from luopan.report import build_report
 from luopan.torch import CheckpointManager, TrainingState
 
 from .test_report import parse
-
-runner = CliRunner()
 
 STEPS = 400  # logged steps per run
 EVERY = 50  # a checkpoint every 50 steps: 8 of the 400 points
@@ -47,7 +45,7 @@ def train(path, run: str, config: dict) -> None:
     repo = luopan.open(path, create=False)
     try:
         for i, step in enumerate(range(EVERY, STEPS + 1, 2 * EVERY)):
-            repo.run(run).log_eval(step, {"acc": 0.5 + 0.1 * i * (2 if run == "lr-hi" else 1)})
+            repo.run(run).log_eval(step, {"acc": 0.5 + (0.1 if run == "lr-hi" else 0.05) * i})
     finally:
         repo.close()
 
@@ -87,7 +85,8 @@ def test_overlay_has_every_logged_step_of_every_run(compared):
             assert len(by_chart[("path", run)]) == 1  # one series per run
             pts = by_chart[("circle", run)]
             assert sorted(int(a["data-step"]) for a in pts) == list(range(1, STEPS + 1))  # all 400, not 8
-            assert sorted(int(a["data-step"]) for a in pts if a.get("data-ckpt")) == list(range(EVERY, STEPS + 1, EVERY))
+            ckpts = sorted(int(a["data-step"]) for a in pts if a.get("data-ckpt"))
+            assert ckpts == list(range(EVERY, STEPS + 1, EVERY))
         assert len(lines) >= 2
     # the journaled values themselves: the loss the loop reported at step 1 and 400
     r = luopan.open(compared, create=False)
@@ -130,3 +129,37 @@ def test_evals_per_checkpoint_with_the_best_marked(compared):
     assert sum(1 for a in best if a["data-metric"] == "acc") == 2 and sum(
         1 for a in best if a["data-metric"] == "loss") == 2
     assert f'<tr data-step="{best_loss}"><th>lr-hi@{best_loss}</th>' in page
+
+
+def readme_lines() -> list[str]:
+    """The ``luopan`` command lines of the README's "## Report" bash block, as written (comments dropped)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("\n## Report\n"):]
+    section = section[:section.index("\n## ", 1)]
+    block = section[section.index("```bash\n") + 8:]
+    block = block[:block.index("```")]
+    return [ln.split("  #")[0].strip() for ln in block.splitlines() if ln.startswith("luopan ")]
+
+
+def test_readme_report_section_runs_as_written(compared, tmp_path, monkeypatch):
+    """Every line of the README's report block on two real runs named as there; ``--serve`` (which runs until
+    stopped) is checked by tests/test_report_browser.py::test_served_page_reloads_when_a_run_saves."""
+    from typer.testing import CliRunner
+
+    from luopan.cli.main import app
+    os.symlink(compared, tmp_path / "ckpts")
+    monkeypatch.chdir(tmp_path)
+    lines = readme_lines()
+    assert len(lines) == 5 and any("diff" in ln for ln in lines)
+    runner = CliRunner()
+    for line in lines:
+        if "--serve" in line:
+            continue
+        res = runner.invoke(app, shlex.split(line)[1:])
+        assert res.exit_code == 0, (line, res.output)
+        if " diff " in line and "--json" in line:
+            assert all(c["rel_l2"] is not None for c in json.loads(res.output)["changed"])
+        elif " diff " in line:
+            assert "rel L2" in res.output and "config.lr" in res.output
+    assert 'data-chart="overlay-loss"' in (tmp_path / "report.html").read_text()
+    assert 'class="differs"' in (tmp_path / "a.html").read_text()
