@@ -163,3 +163,26 @@ def test_readme_report_section_runs_as_written(compared, tmp_path, monkeypatch):
             assert "rel L2" in res.output and "config.lr" in res.output
     assert 'data-chart="overlay-loss"' in (tmp_path / "report.html").read_text()
     assert 'class="differs"' in (tmp_path / "a.html").read_text()
+
+
+def test_a_resumed_run_shows_its_latest_life(tmp_path):
+    """Steps an interrupted life logged after the checkpoint it resumed from are superseded by the resumed life's
+    (docs/format.md §16.4): the curve holds each step once, with the value the run finally went on from."""
+    from luopan.report.logged import logged_metrics
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(tmp_path / "repo", "run", TrainingState(model=model), policy=EveryNSteps(10)) as mgr:
+        for step in range(1, 26):
+            mgr.maybe_save(step, metrics={"loss": 1.0})  # the first life: killed after logging step 25
+    with pytest.warns(UserWarning):  # the resume differs from the interrupted run: a warning, as it should
+        with CheckpointManager(tmp_path / "repo", "run", TrainingState(model=model), policy=EveryNSteps(10)) as mgr:
+            start = mgr.restore()
+            assert start == 20
+            for step in range(start + 1, 31):
+                mgr.maybe_save(step, metrics={"loss": 2.0})
+    r = luopan.open(tmp_path / "repo", create=False)
+    try:
+        loss = logged_metrics(r, "run")["loss"]
+    finally:
+        r.close()
+    assert [s for s, _ in loss] == list(range(1, 31))
+    assert all(v == (1.0 if s <= 20 else 2.0) for s, v in loss)
