@@ -177,3 +177,28 @@ def test_cli_diff_json_and_table(repo):
     assert line.split()[-3] == "2" and line.split()[-1] == "63"  # rel L2 2; 7x9 elements, all differ
     res = runner.invoke(app, ["diff", "-r", str(path), "run@1", "run@2", "--bytes-only", "--json"])
     assert res.exit_code == 0 and "rel_l2" not in res.output
+
+
+def test_config_diff_reads_framework_settings_in_the_state(tmp_path):
+    """Lightning keeps ``hyper_parameters`` and the HF Trainer ``training_args`` at the top of the state; typed values
+    (docs/format.md §8.3: a Path, a Namespace) read as their plain values; tensors are not config."""
+    import argparse
+    from pathlib import PurePosixPath
+    r = luopan.open(tmp_path / "repo")
+    try:
+        w = torch.zeros(3)
+        r.save("pl", 1, {"state_dict": {"w": w}, "hyper_parameters": {"lr": 0.1, "data": PurePosixPath("/d/a"),
+                                                                      "ns": argparse.Namespace(depth=2)}})
+        r.save("hf", 1, {"model": {"w": w}, "training_args": {"learning_rate": 0.1, "seed": 1}})
+        r.save("pl", 2, {"state_dict": {"w": w + 1}, "hyper_parameters": {"lr": 0.2, "data": PurePosixPath("/d/b"),
+                                                                          "ns": argparse.Namespace(depth=2)}})
+        d = r.diff("pl", 1, 2)
+        x = r.diff("pl", 2, 1, to_run="hf")
+    finally:
+        r.close()
+    assert d["config"]["changed"] == {"state.hyper_parameters.lr": [0.1, 0.2],
+                                      "state.hyper_parameters.data": ["/d/a", "/d/b"]}
+    assert d["config"]["same"] == 1  # state.hyper_parameters.ns.depth
+    assert x["config"]["added"] == {"state.training_args.learning_rate": 0.1, "state.training_args.seed": 1}
+    assert "state.hyper_parameters.lr" in x["config"]["removed"]
+    assert [c["path"] for c in d["changed"]] == ["state_dict/w"] and d["changed"][0]["max_abs"] == 1.0

@@ -187,10 +187,10 @@ def run_config(record: dict[str, Any] | None, manifest: Manifest | None) -> dict
     record's config), ``metadata.*`` (the manifest's), and ``<subtree>.*`` for the settings subtrees of the state
     tree (CONFIG_SUBTREES)."""
     out: dict[str, Any] = {}
-    if record and isinstance(record.get("config"), dict):
+    if record and isinstance(record.get("config"), dict) and record["config"]:
         flatten_config(record["config"], "config", out)
     if manifest is not None:
-        if isinstance(manifest.doc.get("metadata"), dict):
+        if isinstance(manifest.doc.get("metadata"), dict) and manifest.doc["metadata"]:
             flatten_config(manifest.doc["metadata"], "metadata", out)
         for where, node in _settings(manifest.tree, "state", 2):
             try:
