@@ -31,7 +31,8 @@ COMMANDS = dict(_walk(get_command(app)))
 MEANINGS = {
     "--adapter": ("the checkpoint is a PEFT adapter", None), "--all": ("every lock, not only stale ones", None),
     "--allow-unsigned": ("accept an unsigned patch", None), "--bandwidth": ("write bandwidth", "RATE"),
-    "--base": ("the device's safetensors file", None), "--best": ("the best checkpoint by a metric",
+    "--base": ("the device's safetensors file", None),
+    "--bytes-only": ("which chunks differ, no tensor read", None), "--best": ("the best checkpoint by a metric",
                                                                    "METRIC[:min|max]"),
     "--channel-dir": ("an update channel's directory", "DIR"), "--channel-name": ("an update channel's name", "NAME"),
     "--chunk-size": ("chunk size in bytes", None), "--compression": ("blob compression", None),

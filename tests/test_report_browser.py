@@ -192,3 +192,70 @@ def test_served_page_reloads_when_a_run_saves(report, driver, tmp_path):
         assert count(driver, 'svg[data-chart="metric-loss"][data-run="run-b"] circle.pt[data-step="60"]') == 1
         assert errors(driver) == []
         keep(driver, "report-served.png", tmp_path)
+
+
+@pytest.fixture(scope="module")
+def compare_report(tmp_path_factory):
+    from .test_report_compare import make_compare_repo
+    base = tmp_path_factory.mktemp("report-compare")
+    path = make_compare_repo(base / "repo")
+    out = base / "compare.html"
+    r = luopan.open(path, create=False)
+    try:
+        write_report(r, out)
+    finally:
+        r.close()
+    return out
+
+
+def test_runs_compared_overlay_config_and_evals(compare_report, driver, tmp_path):
+    """Two runs trained by CheckpointManager (400 logged steps, a checkpoint every 50): one chart per metric with a
+    series per run holding every logged step, hover text naming run, step and value; the config table with the
+    differing keys highlighted and the identical ones folded; evals per checkpoint with the best marked."""
+    from .test_report_compare import DIFFERING, EVERY, RUNS, STEPS
+    driver.get("about:blank")
+    errors(driver)  # reading the log empties it: what an earlier test's served page logged is not this page's
+    driver.get(compare_report.as_uri())
+    assert driver.execute_script("return document.readyState") == "complete"
+    assert errors(driver) == []
+    for metric in ("loss", "grad_norm"):
+        chart = f'svg[data-chart="overlay-{metric}"]'
+        assert count(driver, chart) == 1
+        assert count(driver, f"{chart} path.line[data-run]") == len(RUNS)  # one series per run
+        for run in RUNS:
+            assert count(driver, f'{chart} path.line[data-run="{run}"]') == 1
+            assert count(driver, f'{chart} circle.pt[data-run="{run}"]') == STEPS  # every logged step, not 8
+            assert count(driver, f'{chart} circle.pt.ckpt[data-run="{run}"]') == STEPS // EVERY
+            assert count(driver, f'{chart} g.tick[data-run="{run}"]') == STEPS // EVERY
+    colours = driver.execute_script(
+        "return [...document.querySelectorAll('svg[data-chart=\"overlay-loss\"] path.line')]"
+        ".map(p => getComputedStyle(p).stroke)")
+    assert len(set(colours)) == len(RUNS)  # told apart by colour, as the legend says
+    assert count(driver, '#compare ul.legend li[data-run]') == len(RUNS)
+    hover = driver.execute_script("return document.querySelector('svg[data-chart=\"overlay-loss\"] "
+                                  "circle.pt[data-run=\"lr-lo\"][data-step=\"123\"] title').textContent")
+    assert hover.startswith("lr-lo step 123 · loss = ")
+    # the same numbers as a table under the chart: one row per step, a column per run
+    rows = driver.execute_script(
+        "const f = document.querySelector('svg[data-chart=\"overlay-loss\"]').closest('figure');"
+        "f.querySelector('details').open = true; return [...f.querySelectorAll('tbody tr')].length")
+    assert rows == STEPS
+    # config side by side: the differing keys highlighted, the identical ones folded under them
+    differing = driver.execute_script("return [...document.querySelectorAll('table.config tr.differs')]"
+                                      ".map(r => r.dataset.key)")
+    assert set(differing) == DIFFERING
+    bg = driver.execute_script("return getComputedStyle(document.querySelector('table.config tr.differs td'))"
+                               ".backgroundColor")
+    plain = driver.execute_script("return getComputedStyle(document.querySelector('table.config tr.same td'))"
+                                  ".backgroundColor")
+    assert bg != plain and bg not in ("rgba(0, 0, 0, 0)", "transparent")
+    assert driver.execute_script("return document.querySelector('details.same').open") is False
+    assert driver.execute_script("return document.querySelector('table.config tr.same').getClientRects().length") == 0
+    # evals per checkpoint: a row per checkpoint of each run, the best of each score marked
+    for run in RUNS:
+        assert count(driver, f'table.evals[data-run="{run}"] tbody tr') == STEPS // EVERY
+        assert count(driver, f'table.evals[data-run="{run}"] td.best[data-metric="acc"]') == 1
+    assert driver.execute_script("return document.documentElement.scrollWidth") <= WIDTH
+    driver.execute_script("document.querySelectorAll('details').forEach(d => d.open = false);"
+                          "document.getElementById('compare').scrollIntoView()")
+    keep(driver, "report-compare.png", tmp_path)

@@ -121,9 +121,12 @@ class Repo:
         named ``<path>/shard-<offsets>``). ``export(run, path, step)`` (the old order) still works, with a warning."""
         return self.checkpointing.export(run, path, step, subtree=subtree, progress=progress, pieces=pieces)
 
-    def diff(self, run: str, step: int, to_step: int) -> dict[str, Any]:
-        """Entries added, removed and changed from ``step`` to ``to_step`` of ``run``."""
-        return self.checkpointing.diff(run, step, to_step)
+    def diff(self, run: str, step: int, to_step: int, *, to_run: str | None = None,
+             values: bool = True) -> dict[str, Any]:
+        """Entries added, removed and changed from ``step`` of ``run`` to ``to_step`` of ``to_run`` (the same run when
+        None); per changed tensor the size of the change (``rel_l2`` = ||b-a||/||a||, ``max_abs``, ``differing``
+        elements; ``values=False``: only the bytes that differ, no tensor read) and the config diff (``config``)."""
+        return self.checkpointing.diff(run, step, to_step, to_run=to_run, values=values)
 
     def verify(self, run: str | None = None, step: int | None = None, *,
                progress: Callable[[int], Any] | None = None, on_total: Callable[[int], Any] | None = None,

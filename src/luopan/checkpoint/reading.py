@@ -20,6 +20,7 @@ from .base import CheckpointBase
 from ..store.base import KeyNotFound, Stray
 from ..tree import flatten, new_array, unflatten
 from . import catalog
+from .changes import add_changes, config_diff, read_record, run_config
 from .export import diff_manifests, export_safetensors
 from .info import CheckpointInfo
 from .chunkplan import check_rows, entry_jobs
@@ -226,10 +227,18 @@ class Reading(CheckpointBase):
         """
         return export_safetensors(self.store, self.manifest(run, step), path, subtree, progress, pieces=pieces)
 
-    def diff(self, run: str, step: int, to_step: int) -> dict[str, Any]:
-        """Entries changed, added and removed from checkpoint ``step`` to ``to_step`` of a run, with the bytes that
-        differ."""
-        return diff_manifests(self.manifest(run, step), self.manifest(run, to_step))
+    def diff(self, run: str, step: int, to_step: int, *, to_run: str | None = None,
+             values: bool = True) -> dict[str, Any]:
+        """Entries changed, added and removed from checkpoint ``step`` of ``run`` to ``to_step`` of ``to_run`` (the
+        same run when None), with the bytes that differ, the config diff (``config``: luopan.checkpoint.changes) and,
+        with ``values``, per changed tensor the size of the change (``rel_l2``, ``max_abs``, ``differing``), read one
+        tensor of each checkpoint at a time."""
+        a, b = self.manifest(run, step), self.manifest(run if to_run is None else to_run, to_step)
+        d = {"from_run": run, **diff_manifests(a, b)}
+        if values:
+            add_changes(d, a, b, self.load_entry)
+        d["config"] = config_diff(run_config(read_record(self, a.run), a), run_config(read_record(self, b.run), b))
+        return d
 
 
 def writable_bytes(leaf: Any) -> memoryview | None:

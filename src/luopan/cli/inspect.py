@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..artifact import artifact_names
-from ..checkpoint import CheckpointInfo, diff_manifests, list_resumes
+from ..checkpoint import CheckpointInfo, list_resumes
 from ..repo import Repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from .artifact import KindOpt, is_artifact_target, print_log
@@ -33,6 +33,7 @@ from .app import (
     report_strays,
     table,
 )
+from .diffview import print_diff
 from .grammar import LegacyStep, RunRef, checkpoint_ref, deprecated
 
 @app.command("ls")
@@ -269,10 +270,15 @@ def diff(
     second: Annotated[str, typer.Argument(metavar="RUN_B@STEP", help="The newer checkpoint (of the same run or "
                                                                       "another).")],
     third: Annotated[Optional[str], typer.Argument(hidden=True, help="Deprecated: diff RUN STEP_A STEP_B.")] = None,
+    bytes_only: Annotated[bool, typer.Option("--bytes-only", help="Only which chunks differ: read no tensor (no "
+                                                                    "relative L2 norm or max abs difference).")]
+    = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """List the entries that changed between two checkpoints, and how many bytes differ: diff RUN@STEP_A
-    RUN@STEP_B (two steps of one run) or diff RUN_A@STEP RUN_B@STEP (checkpoints of two runs)."""
+    """List the entries that changed between two checkpoints, how many bytes differ and by how much each tensor
+    changed (relative L2 norm ||b-a||/||a||, max abs difference, elements differing; read one tensor of each at a
+    time), and the config diff (run record config, manifest metadata, hyper_parameters/training_args): diff
+    RUN@STEP_A RUN@STEP_B (two steps of one run) or diff RUN_A@STEP RUN_B@STEP (checkpoints of two runs)."""
     if third is not None:  # the deprecated RUN STEP_A STEP_B
         if "@" in first or "@" in second:
             raise UsageError("give two checkpoints as RUN@STEP: luopan diff RUN_A@STEP RUN_B@STEP")
@@ -284,27 +290,12 @@ def diff(
                          "diff RUN_A@STEP RUN_B@STEP")
     else:
         (run_a, step_a), (run_b, step_b) = (ref_argument(x, "checkpoint (RUN@STEP)") for x in (first, second))
-    d = diff_manifests(r.manifest(run_a, step_a), r.manifest(run_b, step_b)) if run_a != run_b else \
-        r.diff(run_a, step_a, step_b)
-    d = {"from_run": run_a, **d}
+    d = r.diff(run_a, step_a, step_b, to_run=run_b, values=not bytes_only)
     if as_json:
         emit_json(json_safe(d))
         return
-    run = run_a
-    t = table(title=f"{run}: step {step_a} -> {step_b}" if run_a == run_b else
-              f"{run_a}@{step_a} -> {run_b}@{step_b}")
-    for col in ("change", "entry", "dtype", "shape", "bytes differing"):
-        t.add_column(col, justify="right" if col == "bytes differing" else "left")
-    for c in d["changed"]:
-        what = "changed" if c["was"] is None else f"changed (was {c['was']['dtype']}{tuple(c['was']['shape'])})"
-        size = f"= {c['tied_to']}" if c["tied_to"] else f"{human(c['changed_bytes'])} of {human(c['nbytes'])}"
-        t.add_row(what, c["path"], c["dtype"], str(tuple(c["shape"])), size)
-    for kind in ("added", "removed"):
-        for c in d[kind]:
-            t.add_row(kind, c["path"], c["dtype"], str(tuple(c["shape"])), human(c["nbytes"]))
-    out.print(t)
-    out.print(f"{len(d['changed'])} changed, {len(d['added'])} added, {len(d['removed'])} removed, "
-              f"{d['unchanged']} unchanged; {human(d['changed_bytes'])} differ")
+    print_diff(d, f"{run_a}: step {step_a} -> {step_b}" if run_a == run_b else f"{run_a}@{step_a} -> {run_b}@{step_b}",
+               not bytes_only)
 
 
 def _step(text: str) -> int:

@@ -15,6 +15,7 @@ from ..format.limits import MAX_SMALL_BYTES
 from ..format.names import latest_ref_key
 from ..format.refs import parse_ref
 from ..store.base import KeyNotFound
+from .logged import config_of, logged_metrics
 
 UNREADABLE = (IntegrityError, UnsupportedFormatError, StorageError, KeyNotFound)
 # Metric names where lower is better (the "best" highlight); any other metric is best when highest.
@@ -63,6 +64,8 @@ class RunData:
     evals: dict[int, dict[str, float]]  # step -> numeric metrics of its eval log
     record: dict[str, Any] | None
     resumes: list[dict[str, Any]]
+    logged: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> every journaled (step, value)
+    config: dict[str, Any] = field(default_factory=dict)  # dotted keys (luopan.checkpoint.changes.run_config)
 
     @property
     def metric_names(self) -> list[str]:
@@ -174,12 +177,14 @@ def gather_run(repo: Any, name: str, list_resumes: Any = None) -> RunData:
     tiers = _tiers(repo, CHECKPOINTS, name)
     cps: list[Checkpoint] = []
     damaged: list[tuple[int, str]] = []
+    last = None
     for step in steps:
         try:
             m = repo.manifest(name, step)
         except UNREADABLE as exc:
             damaged.append((step, str(exc)))
             continue
+        last = m
         doc = m.doc
         entries = doc.get("entries", [])
         cps.append(Checkpoint(name, step, m.created, numeric(m.metrics), dict(doc.get("stats", {})),
@@ -206,7 +211,8 @@ def gather_run(repo: Any, name: str, list_resumes: Any = None) -> RunData:
     if list_resumes is not None:
         got = _safe(lambda: list_resumes(repo, name), [])
         resumes = [r for r in got if isinstance(r, dict)] if isinstance(got, list) else []
-    return RunData(name, cps, damaged, dict(sorted(pruned.items())), evals, record, resumes)
+    return RunData(name, cps, damaged, dict(sorted(pruned.items())), evals, record, resumes,
+                   logged_metrics(repo, name), config_of(record, last))
 
 
 def _safe(fn: Any, default: Any) -> Any:

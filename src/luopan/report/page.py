@@ -15,6 +15,7 @@ from ..errors import UsageError
 from .gather import ReportData, gather
 from .html import slug
 from .repository import artifacts_section, overview, snapshots_section, storage_section
+from .compare import config_section, overlay_section
 from .runs import run_section
 from .storage import analyse
 
@@ -23,7 +24,23 @@ CSS = """
 --card:#f6f7f9;--accent:#2563eb;--metric:#2563eb;--pinned:#d97706;--best:#16a34a;--latest:#7c3aed;
 --pruned:#9aa3b2;--eval:#0891b2;--reused:#c7d2e4;--new:#2563eb;--delta:#f59e0b;--written:#dc2626;
 --save:#0ea5e9;--stall:#e11d48;--shared:#14b8a6;--local:#64748b;--replicating:#f59e0b;--replicated:#22c55e;
---remote:#3b82f6;--cold:#06b6d4;--warn:#b45309}
+--remote:#3b82f6;--cold:#06b6d4;--warn:#b45309;
+--run0:#2563eb;--run1:#dc2626;--run2:#16a34a;--run3:#d97706;--run4:#7c3aed;--run5:#0891b2;--run6:#db2777;
+--run7:#4b5563;--differs:#fef3c7}
+@media (prefers-color-scheme: dark){:root{--run0:#60a5fa;--run1:#f87171;--run2:#4ade80;--run3:#fbbf24;
+--run4:#c4b5fd;--run5:#22d3ee;--run6:#f472b6;--run7:#9ca3af;--differs:#3f3413}}
+.r0{--rc:var(--run0)}.r1{--rc:var(--run1)}.r2{--rc:var(--run2)}.r3{--rc:var(--run3)}.r4{--rc:var(--run4)}
+.r5{--rc:var(--run5)}.r6{--rc:var(--run6)}.r7{--rc:var(--run7)}
+.line.r0,.line.r1,.line.r2,.line.r3,.line.r4,.line.r5,.line.r6,.line.r7{stroke:var(--rc);stroke-width:1.4}
+.pt.r0,.pt.r1,.pt.r2,.pt.r3,.pt.r4,.pt.r5,.pt.r6,.pt.r7{fill:var(--rc);stroke-width:0.6}
+.pt.ckpt{stroke:var(--fg);stroke-width:1.2}
+.tick.r0 rect,.tick.r1 rect,.tick.r2 rect,.tick.r3 rect,.tick.r4 rect,.tick.r5 rect,.tick.r6 rect,.tick.r7 rect{
+fill:var(--rc)}
+.sw.r0,.sw.r1,.sw.r2,.sw.r3,.sw.r4,.sw.r5,.sw.r6,.sw.r7{background:var(--rc)}
+th.r0,th.r1,th.r2,th.r3,th.r4,th.r5,th.r6,th.r7{border-bottom:3px solid var(--rc)}
+table.config tr.differs>*{background:var(--differs)}table.config tbody th{font-weight:500;font-family:monospace}
+details.same{margin:6px 0;font-size:12px}details.same summary{cursor:pointer;color:var(--muted)}
+table.evals td.best{color:var(--best);font-weight:700}table.evals td.from-eval{font-style:italic}
 @media (prefers-color-scheme: dark){:root{--bg:#101318;--fg:#e4e7ee;--muted:#9aa3b5;--line:#343b49;
 --grid:#232936;--card:#181c24;--accent:#60a5fa;--metric:#60a5fa;--pinned:#fbbf24;--best:#4ade80;
 --latest:#c4b5fd;--pruned:#6b7280;--eval:#22d3ee;--reused:#3a4558;--new:#60a5fa;--delta:#fbbf24;
@@ -93,10 +110,13 @@ def render(data: ReportData, *, served: bool = False, token: str = "", poll_ms: 
     """The page for what ``gather`` read."""
     storage = analyse(data)
     runs = [run_section(r, storage, data.tiered) for r in data.runs]
-    parts = [overview(data, storage), storage_section(storage), *runs, artifacts_section(data),
+    parts = [overview(data, storage), overlay_section(data.runs), config_section(data.runs), storage_section(storage),
+             *runs, artifacts_section(data),
              snapshots_section("Journals", data.journals, "newest", "journals"),
              snapshots_section("Vector indexes", data.indexes, "live", "indexes")]
-    links = [("#run-" + escape(slug(r.name), quote=True), f"run {r.name}") for r in data.runs]
+    links = [(f"#{a}", t) for a, t, part in (("compare", "metrics across runs", parts[1]),
+                                              ("config", "config", parts[2])) if part]
+    links += [("#run-" + escape(slug(r.name), quote=True), f"run {r.name}") for r in data.runs]
     if data.artifacts:
         links.append(("#artifacts", "artifacts"))
     nav = "<nav>" + "".join(f'<a href="{a}">{escape(t)}</a>' for a, t in links[:40]) + "</nav>"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from html import escape
 
 from .html import NOT_RECORDED, figure, legend, metric_text, para, seconds, section, size, slug, table
+from .compare import eval_table
 from .gather import Checkpoint, RunData
 from .storage import Storage
 from .svg import Cell, Group, Part, Point, Series, bar_chart, line_chart, strip
@@ -221,6 +222,7 @@ def run_section(run: RunData, storage: Storage, tiered: bool) -> str:
     if names:
         body.append(metric_legend())
         body.append('<div class="pair">' + "".join(_metric_chart(run, m) for m in names) + "</div>")
+        body.append(eval_table(run))
     else:
         body.append(para("No numeric metrics recorded for this run.", "muted"))
     body += [_storage_chart(run, storage), _timing_chart(run), _restore_chart(run), _tier_chart(run, tiered),

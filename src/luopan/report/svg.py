@@ -69,6 +69,7 @@ class Series:
     cls: str
     points: list[Point]
     line: bool = True
+    attrs: dict[str, str | int | float] = field(default_factory=dict)  # on the series' line (e.g. data-run)
 
 
 def _domain(values: list[float], zero: bool = False) -> tuple[float, float]:
@@ -134,7 +135,7 @@ def line_chart(attrs: dict[str, str | int | float], series: list[Series], *, tic
         pts = sorted(s.points, key=lambda p: p.x)
         if s.line and len(pts) > 1:
             path = " ".join(f"{'M' if i == 0 else 'L'}{num(sx(p.x))},{num(sy(p.y))}" for i, p in enumerate(pts))
-            out.append(f'<path class="line {escape(s.cls)}" d="{path}"/>')
+            out.append(f'<path class="line {escape(s.cls)}"{attr(s.attrs)} d="{path}"/>')
         for p in pts:
             out.append(f'<circle class="pt {escape(s.cls)} {escape(p.cls)}" cx="{num(sx(p.x))}" cy="{num(sy(p.y))}" '
                        f'r="{p.r}"{attr(p.attrs)}>{title(p.title)}</circle>')
