@@ -258,3 +258,38 @@ def test_power_loss_during_a_snapshot_after_remove_ids(tmp_path):
             assert serialized(idx.load()) == want[idx.current()]
 
     assert check_crash_states(rec, tmp_path, check) > 10
+
+
+def test_removing_everything_and_ivf_sq(repo):
+    small = faiss.IndexIDMap(faiss.IndexFlatL2(4))
+    small.add_with_ids(X[:30, :4].copy(), np.arange(30))
+    idx = luopan.index.IndexStore(repo, "small")
+    idx.snapshot(small)
+    small.remove_ids(np.arange(30))  # an empty live array over a pool of 30 rows
+    v = idx.snapshot(small)
+    assert idx.manifest(v)["rowmaps"][0]["rows"] == 0 and serialized(idx.load(v)) == serialized(small)
+    small.add_with_ids(X[:3, :4].copy(), np.arange(3) + 900)
+    v = idx.snapshot(small)
+    assert serialized(idx.load(v)) == serialized(small)
+    sq = faiss.IndexIVFScalarQuantizer(faiss.IndexFlatL2(D), D, 16, faiss.ScalarQuantizer.QT_8bit)
+    sq.train(X[:4000])
+    sq.add(X[:4000])
+    idx = luopan.index.IndexStore(repo, "sq")
+    idx.snapshot(sq)
+    sq.remove_ids(np.arange(0, 4000, 50))
+    v = idx.snapshot(sq)
+    assert idx.manifest(v)["rowmaps"] and serialized(idx.load(v)) == serialized(sq)
+
+
+def test_row_map_arithmetic():
+    from luopan.index.rowmap import compress, expand, match
+
+    idx = np.array([5, 6, 7, 0, 1, 9, 3, 4], dtype=np.int64)
+    runs = compress(idx)
+    assert runs.tolist() == [[5, 3], [0, 2], [9, 1], [3, 2]]
+    assert expand(runs).tolist() == idx.tolist() and expand(compress(idx[:0])).tolist() == []
+    pool = np.array([[1, 1], [2, 2], [2, 2], [3, 3], [4, 4]], dtype=np.uint8)  # rows 1 and 2 are equal
+    live = np.array([[2, 2], [2, 2], [9, 9], [4, 4], [1, 1]], dtype=np.uint8)
+    got = match([pool], [live])
+    assert got.tolist() == [1, 2, -1, 4, 0]  # a duplicate continues the run; an unknown row is -1
+    assert all((pool[g] == live[i]).all() for i, g in enumerate(got) if g >= 0)

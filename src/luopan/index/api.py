@@ -88,7 +88,8 @@ class IndexStore:
     """The snapshots of one named vector index in a repository: ``luopan.index.IndexStore(repo, "kb-main")``.
 
     Snapshots are incremental: arrays that grew by appending (flat codes, ids, each IVF list) store only their new
-    tail. The live version is what ``refs/indexes/<name>/current.json`` names (moved by ``snapshot`` and
+    tail; after ``remove_ids`` a version stores the rows added and which stored rows are live (a row map,
+    docs/format.md §17.7), not a full copy. The live version is what ``refs/indexes/<name>/current.json`` names (moved by ``snapshot`` and
     ``rollback``, atomically). Supported without copies: IndexFlat (L2, IP), IndexIVFFlat, IndexIVFPQ,
     IndexIVFScalarQuantizer, IndexHNSWFlat, and those inside IndexIDMap/IndexIDMap2; any other faiss index is stored
     as ``faiss.serialize_index`` bytes (works, but consecutive snapshots share nothing). Not thread-safe; the index

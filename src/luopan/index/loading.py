@@ -59,7 +59,8 @@ def fill_rowmaps(store: Store, owner: str, doc: dict[str, Any], targets: dict[st
             pieces = dest.pieces if isinstance(dest, Gathered) else [as_bytes(dest)]
             off = 0
             for piece in pieces:
-                np.frombuffer(piece, dtype=np.uint8)[:] = flat[off:off + len(piece)]
+                if len(piece):
+                    np.frombuffer(piece, dtype=np.uint8)[:] = flat[off:off + len(piece)]
                 off += len(piece)
             if off != len(flat):
                 raise bad(f"row map column {c!r} does not fit its array")
