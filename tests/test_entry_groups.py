@@ -76,7 +76,7 @@ def lora(tmp_path):
 def test_new_auto_repositories_are_version_6_and_group_large_manifests(lora):
     root, repo, saved, _base = lora
     # created at the newest version (7 since patch segments, §5.2), which includes entry groups (6)
-    assert repo.config.format_version == luopan.format.FORMAT_VERSION == 7 > GROUPS_FORMAT_VERSION
+    assert repo.config.format_version == luopan.format.FORMAT_VERSION == 8 > GROUPS_FORMAT_VERSION
     assert "groups" not in file_doc(root, "run", 0)  # nothing to compare with: every entry inline
     doc = file_doc(root, "run", 3)
     assert doc["groups"] and doc["format_version"] == 6
@@ -301,13 +301,13 @@ def test_luopan_upgrade_raises_an_older_repository_to_version_6(tmp_path):
             repo.save("run", step, state(step, base))
     dry = runner.invoke(app, ["upgrade", "-r", root, "--dry-run", "--json"])
     assert dry.exit_code == 0, dry.output
-    assert json.loads(dry.output)["changed"] is False and json.loads(dry.output)["format_version"] == 7
+    assert json.loads(dry.output)["changed"] is False and json.loads(dry.output)["format_version"] == 8
     with open(os.path.join(root, "luopan.json"), "rb") as f:
         assert json.loads(f.read())["format_version"] == 1
     done = runner.invoke(app, ["upgrade", "-r", root])
-    assert done.exit_code == 0 and "from format 1 to 7" in done.output, done.output
+    assert done.exit_code == 0 and "from format 1 to 8" in done.output, done.output
     with open(os.path.join(root, "luopan.json"), "rb") as f:
-        assert json.loads(f.read())["format_version"] == 7
+        assert json.loads(f.read())["format_version"] == 8
     with luopan.open(root) as repo:
         for step in (2, 3):
             repo.save("run", step, state(step, base))
@@ -317,7 +317,7 @@ def test_luopan_upgrade_raises_an_older_repository_to_version_6(tmp_path):
             assert_exact(repo.load("run", step), state(step, base))
         assert repo.verify().ok
     again = runner.invoke(app, ["upgrade", "-r", root])
-    assert again.exit_code == 0 and "already at format 7" in again.output
+    assert again.exit_code == 0 and "already at format 8" in again.output
 
 
 # -- review fixes: bounded groups, crafted rows and blobs, timing ----------------------------------------------------

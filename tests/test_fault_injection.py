@@ -570,6 +570,43 @@ class IndexSnapshot:
             r.verify()
 
 
+def _churned(v):
+    """An IDMap2 flat index after ``v - 1`` rounds of remove_ids + add (versions after the first are row maps)."""
+    import faiss
+    rng = np.random.default_rng(12)
+    index = faiss.IndexIDMap2(faiss.IndexFlatL2(16))
+    index.add_with_ids(rng.standard_normal((400, 16)).astype("float32"), np.arange(400))
+    for k in range(1, v):
+        index.remove_ids(np.arange(k, 400, 23 + k))
+        index.add_with_ids(rng.standard_normal((4, 16)).astype("float32"), np.arange(4) + 1000 * k)
+    return index
+
+
+@operation("index_snapshot_after_remove", requires="faiss")
+class IndexSnapshotAfterRemove:
+    def build(self, world):
+        with open_repo(os.path.join(world, "repo")) as r, luopan.index.IndexStore(r, "kb") as idx:
+            for v in (1, 2):
+                idx.snapshot(_churned(v))
+
+    def run(self, world, acked):
+        with open_repo(os.path.join(world, "repo")) as r, luopan.index.IndexStore(r, "kb") as idx:
+            acked.append(idx.snapshot(_churned(3)))
+
+    def check(self, world, acked, complete):
+        import faiss
+        with open_repo(os.path.join(world, "repo")) as r, luopan.index.IndexStore(r, "kb") as idx:
+            versions = idx.versions()
+            assert versions[:2] == [1, 2]
+            for v in versions:
+                want = faiss.serialize_index(_churned(min(v, 3)))
+                assert np.array_equal(faiss.serialize_index(idx.load(v)), want), v
+            live = idx.current()
+            if complete or acked:
+                assert live == versions[-1] and len(versions) >= 3 and idx.manifest(live).get("rowmaps")
+            r.verify()
+
+
 @operation("index_rollback", requires="faiss")
 class IndexRollback:
     def build(self, world):
@@ -735,12 +772,12 @@ class Upgrade:
     def run(self, world, acked):
         from luopan.cli import maintain
         maintain.upgrade.__wrapped__(repo=os.path.join(world, "repo"), dry_run=False, as_json=False)
-        acked.append(7)
+        acked.append(8)
 
     def check(self, world, acked, complete):
         root = os.path.join(world, "repo")
         version = config_version(root)
-        assert version == 7 if (complete or acked) else version in (6, 7)
+        assert version == 8 if (complete or acked) else version in (6, 8)
         gen = data_module("make_v6_repo")
         with luopan.open(root, progress=False) as r:
             assert_lora_loads(r, gen, gen.STEPS)

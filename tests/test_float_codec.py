@@ -287,7 +287,7 @@ def config_doc(path):
 def test_new_repositories_default_to_auto(tmp_path):
     repo = luopan.open(tmp_path / "a")
     assert repo.config.compression == Compression("auto", 3)
-    assert config_doc(tmp_path / "a")["format_version"] == 7  # entry groups (6) and patch segments (7) with it
+    assert config_doc(tmp_path / "a")["format_version"] == 8  # entry groups (6), patch segments (7), row maps (8)
     assert config_doc(tmp_path / "a")["compression"] == {"codec": "auto", "level": 3}
     repo.close()
     for value in ("none", "zstd"):

@@ -204,7 +204,7 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         from luopan.journal.manifest import parse_snapshot_manifest
 
         return lambda d: parse_snapshot_manifest(sealed(d), "journals/agent/_v/00000101.json", "agent", 101)
-    if heading.startswith("### 17.2"):
+    if heading.startswith(("### 17.2", "### 17.7")):
         from luopan.index.manifest import parse_index_manifest
 
         return lambda d: parse_index_manifest(sealed(d), "indexes/kb-main/_v/00000002.json", "kb-main", 2)
@@ -281,7 +281,7 @@ def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
     for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2", "### 9.3",
                     "### 10.2", "### 10.3", "### 10.5", "### 13.2",
-                    "### 15.2", "### 15.4", "### 16.3", "### 17.2", "### 17.4"):
+                    "### 15.2", "### 15.4", "### 16.3", "### 17.2", "### 17.4", "### 17.7"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval
     assert sum(h.startswith("### 10.2") for h in headings) == 4  # tier config, pending, replicated, cold

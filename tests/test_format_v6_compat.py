@@ -88,7 +88,7 @@ def test_this_luopan_adds_checkpoints_to_a_v6_repository_without_segments(sample
 
 def test_after_upgrade_the_v6_patch_becomes_the_first_segment(sample, monkeypatch):
     done = CliRunner().invoke(app, ["upgrade", "-r", str(sample)])
-    assert done.exit_code == 0 and "from format 6 to 7" in done.output, done.output
+    assert done.exit_code == 0 and "from format 6 to 8" in done.output, done.output
     before = file_doc(sample, "lora", gen.STEPS[-1])
     with luopan.open(sample) as repo:
         flat = repo.manifest("lora", gen.STEPS[-1]).entry("table")["delta"]

@@ -292,9 +292,9 @@ def test_snapshot_refs_and_layout_on_disk(repo, repo_path):
     assert (repo_path / "indexes" / "team" / "kb" / "_v" / "00000001.json").is_file()
     ref = unseal((repo_path / "refs" / "indexes" / "team" / "kb" / "current.json").read_bytes())
     assert ref["version"] == 1 and ref["name"] == "team/kb" and ref["format_version"] == 4
-    # 4 for the index kind, unless the config was already 7 for compression="auto" (the default, docs/format.md §3,
+    # 4 for the index kind, unless the config was already 8 for compression="auto" (the default, docs/format.md §3,
     # §5.2, §8.5)
     assert unseal((repo_path / "luopan.json").read_bytes())["format_version"] == (
-        7 if repo.config.compression.codec == "auto" else 4)
+        8 if repo.config.compression.codec == "auto" else 4)
     assert repo.resolve("team/kb@1")[0].name == "index"
     assert repo.strays(everywhere=True) == [] or all("indexes" not in s.key for s in repo.strays(everywhere=True))

@@ -110,4 +110,8 @@ def test_readme_snippet_runs_as_written(tmp_path, child_env):
     res = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=child_env, capture_output=True, text=True, check=False,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().splitlines()[-1] == "1 [1, 2]"
+    assert res.stdout.strip().splitlines()[-1] == "1 [1, 2, 3]"
+    with luopan.open(tmp_path / "kb-repo", create=False) as repo:  # the version after remove_ids is a row map
+        idx = luopan.index.IndexStore(repo, "kb-main")
+        assert idx.manifest(3)["rowmaps"] and idx.info(3)["ntotal"] == 20_000 + 200 - 200
+        assert idx.info(3)["stats"]["new_bytes"] < 0.1 * idx.info(3)["stats"]["logical_bytes"]

@@ -43,4 +43,4 @@ def test_du_counts_every_kind(tmp_path):
     idx.snapshot(index)
     du = repo.du()
     assert du["journals"] == 1 and du["indexes"] == 1 and du["checkpoints"] == 0 and du["artifacts"] == 0
-    assert repo.config.format_version == (7 if repo.config.compression.codec == "auto" else 4)  # "auto": 7 (§5.2)
+    assert repo.config.format_version == (8 if repo.config.compression.codec == "auto" else 4)  # "auto": 8 (§17.7)

@@ -73,7 +73,7 @@ class Run:
 
 def test_each_save_appends_the_rows_changed_since_the_previous_one(tmp_path):
     r = Run(tmp_path / "r")
-    assert r.repo.config.format_version == luopan.format.FORMAT_VERSION == 7
+    assert r.repo.config.format_version == luopan.format.FORMAT_VERSION == 8
     assert "delta" not in r.save()  # the base
     for s in range(1, 6):
         e = r.save()

@@ -251,14 +251,14 @@ def test_upgrade(tmp_path):
         rec.ack("upgraded")
 
     rec = record(world, op)
-    assert config_version(world / "repo") == 7
+    assert config_version(world / "repo") == 8
 
     def check(state):
         root = os.path.join(state.root, "repo")
         version = config_version(root)
-        assert version in (6, 7), version
+        assert version in (6, 8), version
         if "upgraded" in state.acks:
-            assert version == 7
+            assert version == 8
         r = luopan.open(root, progress=False)
         try:
             assert_lora_loads(r, gen, gen.STEPS)

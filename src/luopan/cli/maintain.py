@@ -70,7 +70,8 @@ def upgrade(
     """Raise the repository's format version to this luopan's, so later saves use what it adds: at version 6,
     checkpoint manifests keep the entries that did not change since the previous checkpoint in shared entry groups
     (docs/format.md §8.5); at version 7, a row delta keeps the part of its patch stored by the previous checkpoint
-    and adds only the rows changed since (patch segments, §5.2). Nothing stored is rewritten, and every checkpoint
+    and adds only the rows changed since (patch segments, §5.2); at version 8, an index snapshot after remove_ids
+    stores what changed as a row map (§17.7). Nothing stored is rewritten, and every checkpoint
     loads as before; but luopan of an older format refuses the repository afterwards (upgrade it first). Takes the
     exclusive lock, so saves in flight finish first."""
     before = r.config.format_version

@@ -9,7 +9,7 @@ from ..errors import UnsupportedFormatError
 # The newest format_version this luopan reads. Each file is written with the oldest version that can describe it
 # (docs/format.md §1): config and index files are version 1; a manifest is version 2 only if it holds a row delta;
 # artifact manifests are version 3, and a repository holding any has a version-3 config (older luopan refuse it).
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 BASE_FORMAT_VERSION = 1
 # Storage engine v2 (docs/format.md §4, §5.2, §5.4, §6.1): row deltas with the writer's cycle hint, XOR deltas, the
 # float codec, compressed manifests and index files. A manifest using any of them says 5, as does a config whose
@@ -22,6 +22,10 @@ ENGINE2_FORMAT_VERSION = 5
 # a repository created with "auto" compression.
 # Readers accept 2 to 64 segments in one row delta (manifest.schema.json); luopan's writer keeps at most 16.
 SEGMENTS_FORMAT_VERSION = 7
+# Row maps (docs/format.md §17.7): index snapshots that keep an array as a pool of stored rows plus runs naming the
+# live ones, so a remove_ids costs what changed. An index manifest using them says 8; writers use them in a
+# repository whose config says 8 (new repositories with "auto" compression; `luopan upgrade` raises older ones).
+ROWMAP_FORMAT_VERSION = 8
 
 
 def refuse_newer(obj: dict[str, Any], where: str) -> None:

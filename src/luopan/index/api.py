@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import logging
@@ -28,6 +27,7 @@ from ..errors import (
     MissingDependencyError,
     UsageError,
 )
+from ..format import ROWMAP_FORMAT_VERSION
 from ..format.canonical import canonical, sealed_checksum
 from ..format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_BYTES
 from ..format.names import check_step
@@ -38,8 +38,6 @@ from ..repository.verify import raise_problems, verify_manifests
 from ..retention import Checkpoint, KeepLast, parse_time, plan
 from ..store.base import KeyNotFound
 from .extents import write_arrays
-from .ivf import arrays as ivf_arrays
-from .ivf import plan_segments
 from .kind import INDEX_KIND, check_index, current_ref_key, index_manifest_key
 from .loading import build, read_array
 from .manifest import (
@@ -52,6 +50,7 @@ from .manifest import (
     seal_index_manifest,
 )
 from .oplog import OpLog, apply, check_ids, check_vectors, encode
+from .tables import Previous, plan_table, split
 
 EXTENT_CHUNK_MAX = 4 << 20  # extents are cut at the repository's chunk size, at most this
 
@@ -89,7 +88,8 @@ class IndexStore:
     """The snapshots of one named vector index in a repository: ``luopan.index.IndexStore(repo, "kb-main")``.
 
     Snapshots are incremental: arrays that grew by appending (flat codes, ids, each IVF list) store only their new
-    tail. The live version is what ``refs/indexes/<name>/current.json`` names (moved by ``snapshot`` and
+    tail; after ``remove_ids`` a version stores the rows added and which stored rows are live (a row map,
+    docs/format.md §17.7), not a full copy. The live version is what ``refs/indexes/<name>/current.json`` names (moved by ``snapshot`` and
     ``rollback``, atomically). Supported without copies: IndexFlat (L2, IP), IndexIVFFlat, IndexIVFPQ,
     IndexIVFScalarQuantizer, IndexHNSWFlat, and those inside IndexIDMap/IndexIDMap2; any other faiss index is stored
     as ``faiss.serialize_index`` bytes (works, but consecutive snapshots share nothing). Not thread-safe; the index
@@ -213,23 +213,29 @@ class IndexStore:
         previous = self._previous()
         if parts.layout == "parts":
             arrays.insert(0, (SKELETON, np.frombuffer(parts.skeleton, dtype=np.uint8), "uint8", [len(parts.skeleton)]))
-        for lists in parts.ivfs:
-            prev_counts = None
-            if previous is not None:
-                with contextlib.suppress(LuopanError):
-                    prev_counts = read_array(repo.store, previous, lists.prefix + "ivf/counts", "previous snapshot")
-            counts = plan_segments(np.array([len(i) for i in lists.ids], dtype=np.int64), prev_counts)
-            arrays.extend(ivf_arrays(lists, counts))
-        logical = sum(math.prod(shape) * np.dtype(dtype).itemsize for _p, _a, dtype, shape in arrays)
-        estimate = max(0, logical - (previous["stats"]["logical_bytes"] if previous else 0)) + (1 << 20)
+        arrays, tables = split(arrays, parts.ivfs)
+        live = sum(math.prod(shape) * np.dtype(dtype).itemsize for _p, _a, dtype, shape in arrays) + \
+            sum(t.rows * sum(c.width for c in t.columns) for t in tables)
+        estimate = max(0, live - (previous["stats"]["logical_bytes"] if previous else 0)) + (1 << 20)
         chunk = min(repo.config.chunk_size, EXTENT_CHUNK_MAX)
-        prev_entries = {e["path"]: e for e in previous["entries"]} if previous else {}
+        prev = Previous(previous, repo.store, INDEX_KIND.label(self.name, previous["version"]) if previous else "")
         with repo.transaction(INDEX_KIND, self.name, None, what=f"snapshot of index {self.name}", estimate=estimate,
                               purpose=f"snapshot index {self.name!r}", format_version=INDEX_FORMAT_VERSION) as tx:
-            written = write_arrays(tx.chunks(crash_label="index.chunk.written", copy_raw=True), arrays, prev_entries,
-                                   chunk)
+            chunks = tx.chunks(crash_label="index.chunk.written", copy_raw=True)
+            reuse = {**prev.entries}
+            rowmaps = []
+            for t in tables:
+                planned = plan_table(t, prev, chunks.reusable, chunk,
+                                     repo.config.format_version >= ROWMAP_FORMAT_VERSION)
+                arrays += planned.arrays
+                reuse.update(planned.previous)
+                if planned.rowmap is not None:
+                    rowmaps.append(planned.rowmap)
+            logical = sum(math.prod(shape) * np.dtype(dtype).itemsize for _p, _a, dtype, shape in arrays)
+            written = write_arrays(chunks, arrays, reuse, chunk)
             doc: dict[str, Any] = {
-                "format_version": INDEX_FORMAT_VERSION, "kind": "index", "name": self.name, "version": 0,
+                "format_version": ROWMAP_FORMAT_VERSION if rowmaps else INDEX_FORMAT_VERSION, "kind": "index",
+                "name": self.name, "version": 0,
                 "created": datetime.now(timezone.utc).isoformat(), "layout": parts.layout,
                 "index_type": parts.index_type, "dim": int(index.d), "ntotal": int(index.ntotal),
                 "fields": parts.fields, "params": params_doc, "metadata": meta_doc,
@@ -238,6 +244,8 @@ class IndexStore:
                           "new_bytes": written.new_bytes, "chunks": written.chunks,
                           "new_chunks": written.new_chunks, "new_packs": written.new_packs},
             }
+            if rowmaps:
+                doc["rowmaps"] = rowmaps
             version, data = tx.put_next(lambda n: self._seal(doc, n), (self.versions() or [0])[-1] + 1,
                                         "snapshot again")
             self.last_manifest_checksum = sealed_checksum(data)

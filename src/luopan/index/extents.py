@@ -129,20 +129,47 @@ def plan_extents(buf: Gathered, previous: list[list[Any]], chunk: int,
     return pieces
 
 
-def write_arrays(chunks: ChunkWriter, arrays: list[tuple[str, np.ndarray | Gathered, str, list[int]]],
+class Appended:
+    """An array made of an earlier entry's chunk rows, kept as they are (their bytes need not be in memory: a row
+    map's pool, docs/format.md §17.7), followed by new bytes."""
+
+    def __init__(self, rows: list[list[Any]], tail: Gathered) -> None:
+        self.rows = [Row._make(r) for r in rows]
+        self.base = sum(r.size for r in self.rows)
+        self.tail = tail
+
+    def view(self, off: int, size: int) -> memoryview:
+        return self.tail.view(off - self.base, size)
+
+    def plan(self, chunk: int) -> list[Piece]:
+        pieces, off = [], 0
+        for r in self.rows:
+            pieces.append(Piece(off, r.size, r))
+            off += r.size
+        fresh = _fresh(0, len(self.tail), chunk)
+        while len(fresh) >= 2 and fresh[-2].size + fresh[-1].size <= chunk:
+            a, b = fresh[-2], fresh[-1]
+            fresh[-2:] = [Piece(a.offset, a.size + b.size)]
+        return pieces + [Piece(p.offset + self.base, p.size) for p in fresh]
+
+
+def write_arrays(chunks: ChunkWriter, arrays: list[tuple[str, np.ndarray | Gathered | Appended, str, list[int]]],
                  previous: dict[str, dict[str, Any]], chunk: int) -> Written:
     """Store ``arrays`` (path, array) as manifest entries through ``chunks``, reusing the ``previous`` version's
-    entries by path."""
+    entries by path (an Appended array keeps its rows, which the caller checked are reusable)."""
     def reusable(r: Row) -> bool:
         return chunks.reusable(r.hash)
 
     plans: list[tuple[str, str, list[int], list[Piece]]] = []
-    new: list[tuple[Gathered, Piece]] = []
+    new: list[tuple[Gathered | Appended, Piece]] = []
     for path, arr, dtype, shape in arrays:
-        buf = arr if isinstance(arr, Gathered) else Gathered([as_bytes(arr)])
-        prev = previous.get(path)
-        rows = prev["chunks"] if prev is not None else []
-        pieces = plan_extents(buf, rows, chunk, reusable)
+        buf: Gathered | Appended
+        if isinstance(arr, Appended):
+            buf, pieces = arr, arr.plan(chunk)
+        else:
+            buf = arr if isinstance(arr, Gathered) else Gathered([as_bytes(arr)])
+            prev = previous.get(path)
+            pieces = plan_extents(buf, prev["chunks"] if prev is not None else [], chunk, reusable)
         for p in pieces:
             if p.row is None:
                 p.source = len(new)

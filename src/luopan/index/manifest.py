@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptManifestError, CorruptRepoError
+from ..format import ROWMAP_FORMAT_VERSION
 from ..format.canonical import seal, unseal_file
 from ..format.limits import MAX_COUNT, MAX_NBYTES, shape_fits
 from ..format.kindmanifest import check_created, check_members, chunk_row_ok, is_uint, open_manifest
@@ -105,12 +106,48 @@ def parse_index_manifest(data: bytes, where: str, name: str | None = None,
         if held != nbytes:
             raise bad(f"entry {path!r} chunks hold {held} bytes, its {e['dtype']} {shape} is {nbytes}")
         total += nbytes
+    _check_rowmaps(doc, {e["path"]: e for e in entries}, bad)
     need = {SKELETON} if doc["layout"] == "parts" else {"serialized"}
     if not need <= seen:
         raise bad(f"it lacks the entry {min(need - seen)!r}")
     if stats["logical_bytes"] != total or total > MAX_NBYTES:
         raise bad(f"its stats say {stats['logical_bytes']} logical bytes, its entries hold {total}")
     return doc
+
+
+def _check_rowmaps(doc: dict[str, Any], entries: dict[str, dict[str, Any]], bad: Any) -> None:
+    """The optional ``rowmaps`` (§17.7): each names its columns (pool entries with equal row counts), its runs entry
+    (int64 [R, 2]), its live row count and the XXH3-128 of its live bytes; no entry serves two roles."""
+    if "rowmaps" not in doc:
+        return
+    rowmaps = doc["rowmaps"]
+    if doc["format_version"] < ROWMAP_FORMAT_VERSION or doc["layout"] != "parts" or not isinstance(rowmaps, list) \
+            or len(rowmaps) > 64:
+        raise bad("its rowmaps member is invalid for its format_version or layout")
+    used: set[str] = {SKELETON}
+    for rm in rowmaps:
+        if not isinstance(rm, dict) or set(rm) != {"columns", "runs", "rows", "xxh3"}:
+            raise bad("a row map does not have exactly columns, runs, rows and xxh3")
+        cols, runs = rm["columns"], rm["runs"]
+        if not isinstance(cols, list) or not 1 <= len(cols) <= 4 or not is_uint(rm["rows"], MAX_COUNT) or \
+                not (isinstance(rm["xxh3"], str) and len(rm["xxh3"]) == 32 and
+                     all(c in "0123456789abcdef" for c in rm["xxh3"])):
+            raise bad("a row map's columns, rows or xxh3 are invalid")
+        names = [*cols, runs]
+        if not all(isinstance(p, str) and p in entries for p in names) or len(set(names)) != len(names) or \
+                used & set(names):
+            raise bad("a row map names a missing entry, or an entry another role already has")
+        used |= set(names)
+        r = entries[runs]
+        if r["dtype"] != "int64" or len(r["shape"]) != 2 or r["shape"][1] != 2:
+            raise bad(f"row map runs {runs!r} are not int64 [runs, 2]")
+        pool = {entries[c]["shape"][0] for c in cols}
+        if len(pool) != 1:
+            raise bad(f"the columns {cols} of a row map have different pool row counts")
+        for c in cols:
+            live = [rm["rows"], *entries[c]["shape"][1:]]
+            if not shape_fits(live, np.dtype(entries[c]["dtype"]).itemsize):
+                raise bad(f"row map column {c!r} would be too large")
 
 
 # -- the current ref: refs/indexes/<name>/current.json ---------------------------------------------------------------

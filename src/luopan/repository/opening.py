@@ -17,7 +17,7 @@ from ..errors import (
     RepoNotFoundError,
     UsageError,
 )
-from ..format import ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION
+from ..format import ENGINE2_FORMAT_VERSION, ROWMAP_FORMAT_VERSION
 from ..format.config import DEFAULT_COMPRESSION, Compression, RepoConfig
 from ..format.limits import MAX_CONFIG_BYTES
 from ..format.names import CONFIG_KEY
@@ -155,9 +155,10 @@ def create_config(store: Store, chunk_size: int | None, pack_size: int | None,
         return adopted
     comp = Compression.parse(DEFAULT_COMPRESSION if compression is None else compression)
     # the oldest version that describes the config (docs/format.md §1): "auto" writes blobs older luopan cannot read,
-    # so such a repository is also created at the newest version (7): its checkpoint manifests store their entries in
-    # groups (§8.5, 6) and row deltas in segments (§5.2, 7); "none" and "zstd" keep version 1, readable by every luopan
-    version = SEGMENTS_FORMAT_VERSION if comp.format_version >= ENGINE2_FORMAT_VERSION else comp.format_version
+    # so such a repository is also created at the newest version (8): its checkpoint manifests store their entries in
+    # groups (§8.5, 6) and row deltas in segments (§5.2, 7), its index snapshots row maps (§17.7, 8); "none" and
+    # "zstd" keep version 1, readable by every luopan
+    version = ROWMAP_FORMAT_VERSION if comp.format_version >= ENGINE2_FORMAT_VERSION else comp.format_version
     kwargs: dict[str, Any] = {"compression": comp, "format_version": version}
     if chunk_size is not None:
         kwargs["chunk_size"] = chunk_size
