@@ -37,7 +37,9 @@ def test_artifact_commands_end_to_end(tmp_path):
     assert "versions of datasets/clean" in run("-r", repo, "artifact", "log", "datasets/clean")
     run("-r", repo, "artifact", "checkout", "datasets/clean@1", tmp_path / "out")
     assert (tmp_path / "out" / "sub" / "b.txt").read_text() == "b"
-    run("-r", repo, "artifact", "checkout", "datasets/clean", tmp_path / "out", code=1)  # exists: nothing replaced
+    (tmp_path / "out" / "sub" / "b.txt").write_text("edited")
+    run("-r", repo, "artifact", "checkout", "datasets/clean", tmp_path / "out", code=1)  # a local edit: refused
+    assert (tmp_path / "out" / "sub" / "b.txt").read_text() == "edited"
     lin = json.loads(run("-r", repo, "lineage", "datasets/clean@1", "--json"))
     assert lin["parents"] == ["datasets/raw@1"]
     assert "-> datasets/clean@1" in run("-r", repo, "lineage", "datasets/raw@1")

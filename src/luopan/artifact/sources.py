@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..format.names import show_path
 from .manifest import check_relpath
+from .ownfiles import is_luopans
 
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
@@ -148,6 +149,8 @@ def collect(what: Any) -> Collected:
         for name, est in _list(abs_dir, ident):
             full = os.path.join(abs_dir, name)
             rel_path = f"{rel}/{name}" if rel else name
+            if is_luopans(rel_path):  # a checkout's record or temporary file: luopan's, never data
+                continue
             why = check_relpath(rel_path)
             if why is not None:
                 raise _bad_name(full, why)
