@@ -38,7 +38,7 @@ from .kind import ARTIFACTS_KIND
 from .ownfiles import RECORD
 from .manifest import ARTIFACT_FORMAT_VERSION, parse_artifact_manifest, seal_artifact_manifest
 from .sources import Collected, collect
-from .update import update
+from .update import refuse_own_files, update
 from .worktree import read_record, record_of, write_record
 from .writer import store_sources
 
@@ -217,6 +217,7 @@ class Artifact:
         if isinstance(dest, (str, os.PathLike)) and os.path.isdir(dest):
             return update(self.repo.store, owner, doc, os.path.abspath(dest), self.repo.where, force=force,
                           progress=progress)
+        refuse_own_files(doc)
         return checkout(self.repo.store, owner, doc, dest, progress,
                         lambda root: write_record(root, record_of(root, self.repo.where, doc)))
 

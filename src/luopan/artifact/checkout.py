@@ -50,8 +50,8 @@ def check_destination(dest: object) -> str:
         raise ArgumentTypeError(f"a checkout destination must be a path (str or os.PathLike), got {dest!r}")
     out = os.path.abspath(os.fspath(dest))
     if os.path.lexists(out):
-        raise OutputPathError(17, f"{out} already exists: check out into a new path (a checkout never merges into "
-                                  "or replaces existing files)")
+        raise OutputPathError(17, f"{out} already exists and is not a folder: check out into a new path, or into "
+                                  "a folder to update in place")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         try:
@@ -231,10 +231,11 @@ def write_files(store: Store, owner: str, doc: dict[str, Any], files: list[dict[
             for tmp in list(temps.values()):
                 _unlink_quietly(tmp)
             raise
-    for f in syncs:
-        f.result()  # the first fsync/chmod/rename error, if any
-    if temps:  # a file whose finish failed: its temporary file goes
-        for tmp in list(temps.values()):
+    try:
+        for f in syncs:
+            f.result()  # the first fsync/chmod/rename error, if any
+    finally:
+        for tmp in list(temps.values()):  # a file whose finish failed: its temporary file goes
             _unlink_quietly(tmp)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 RECORD = ".luopan-checkout.json"
 RECORD_TMP = RECORD + ".tmp-"  # the record's temporary names (luopan._files.write_atomic), at the folder's root
 FILE_TMP_PREFIX = ".luopan-tmp-"  # a file of an in-place checkout before it is renamed over its path
+OWN_FILES = f"a path luopan keeps for its own files in a checked-out folder ({RECORD}, {FILE_TMP_PREFIX}*)"
 
 
 def is_luopans(rel: str) -> bool:

@@ -22,7 +22,7 @@ from ..errors import CheckoutConflictError, LockedError, LuopanError, UsageError
 from ..format.names import show_path
 from ..store.base import Store
 from .checkout import CHECKOUT_MODE_MASK, write_files
-from .ownfiles import RECORD
+from .ownfiles import FILE_TMP_PREFIX, RECORD, is_luopans
 from .worktree import Digests, Local, Record, RecordError, entry_digest, read_record, record_of, scan, \
     write_record
 
@@ -123,8 +123,9 @@ def plan_update(root: str, doc: dict[str, Any], local: Local, rec: Record | None
             plan.conflicts.append((path, "edited since it was checked out, and the version does not have it"))
     if rec is not None:  # directories of the version before that this one lacks: removed when nothing else is there
         plan.rmdirs.extend(p for p in rec.dirs if p in local.dirs and p not in dirs and p not in plan.rmdirs)
-    plan.unlink = sorted(set(plan.unlink))
-    plan.rmdirs = sorted(set(plan.rmdirs), key=lambda p: -p.count("/"))
+    gone = tuple(t + "/" for t in plan.trees)  # what lies below a tree removed whole goes with it
+    plan.unlink = sorted(p for p in set(plan.unlink) if not p.startswith(gone))
+    plan.rmdirs = sorted({p for p in plan.rmdirs if not p.startswith(gone)}, key=lambda p: -p.count("/"))
     return plan
 
 
@@ -139,13 +140,21 @@ def conflict_error(root: str, ref: str, conflicts: list[tuple[str, str]]) -> Che
     return exc
 
 
+def refuse_own_files(doc: dict[str, Any]) -> None:
+    """A version holding a file with the name of luopan's own files in a folder (committed as a mapping by an older
+    luopan) cannot be checked out: its file and the record would be one."""
+    own = [e["path"] for e in doc["entries"] if is_luopans(e["path"])]
+    if own:
+        raise UsageError(f"{doc['name']}@{doc['version']} has a file named {show_path(own[0], 200)}, a name luopan "
+                         f"keeps for its own files in a checked-out folder ({RECORD}, {FILE_TMP_PREFIX}*): commit it "
+                         "again without that file (or under another name), then check that version out")
+
+
 def update(store: Store, owner: str, doc: dict[str, Any], root: str, repository: str, *, force: bool,
            progress: Callable[[int], Any] | None) -> str:
     """Check the version ``doc`` out into the existing folder ``root`` (see the module docstring); returns ``root``."""
     ref = f"{doc['name']}@{doc['version']}"
-    if any(e["path"] == RECORD for e in doc["entries"]):
-        raise UsageError(f"{ref} has a file named {RECORD}, the name of luopan's checkout record: check it out into "
-                         "a new folder, or commit it again without that file")
+    refuse_own_files(doc)
     lock = lock_folder(root)
     try:
         try:
