@@ -171,9 +171,9 @@ def test_a_damaged_record_is_refused_unless_force(art, tmp_path):
     co = tmp_path / "co"
     art.checkout(co, 1)
     (co / RECORD).write_bytes(b"{garbage")
-    with pytest.raises(luopan.StorageError, match="--force"):
+    with pytest.raises(luopan.IntegrityError, match="--force"):
         art.checkout(co, 2)
-    with pytest.raises(luopan.StorageError, match="not a checkout record"):
+    with pytest.raises(luopan.IntegrityError, match="not a checkout record"):
         art.status(co)
     art.checkout(co, 2, force=True)  # without a record every file is untracked: one in nobody's way stays
     assert files_of(co) == {**V2, "gone/old.txt": b"old\n"} and art.status(co).added == ["gone/old.txt"]
@@ -212,7 +212,7 @@ def test_status_needs_a_version_where_the_folder_has_no_record_of_this_artifact(
         repo.artifact("other").checkout(tmp_path / "o")
     with pytest.raises(luopan.UsageError, match="checkout of other@1, not of datasets/clean"):
         art.status(tmp_path / "o")
-    with pytest.raises(luopan.OutputPathError, match="not a folder"):
+    with pytest.raises(luopan.UsageError, match="not a folder"):
         art.status(tmp_path / "missing")
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import ArgumentTypeError, ArtifactNotFoundError, LuopanError, OutputPathError, UsageError
+from ..errors import ArgumentTypeError, ArtifactNotFoundError, LuopanError, UsageError
 from ..format.canonical import canonical
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.names import artifact_manifest_key, check_artifact, check_version, parse_ref_text
@@ -226,7 +226,7 @@ class Artifact:
         record), else ``version``. ``modified``, ``added`` and ``deleted`` list paths; ``clean`` when none."""
         root = os.path.abspath(os.fspath(dest))
         if not os.path.isdir(root):
-            raise OutputPathError(2, f"{root} is not a folder: give the folder an artifact was checked out into")
+            raise UsageError(f"{root} is not a folder: give the folder an artifact was checked out into")
         rec = read_record(root)
         if version is None:
             if rec is None:

@@ -13,7 +13,7 @@ from typing import Any
 import blake3
 
 from .._files import write_atomic
-from ..errors import StorageError
+from ..errors import IntegrityError, StorageError
 from ..format.canonical import SealError, seal, unseal
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import Row
@@ -80,8 +80,8 @@ class Record:
                      "files": self.files, "dirs": sorted(self.dirs), "also": self.also})
 
 
-class RecordError(StorageError):
-    """The checkout record of a folder cannot be read."""
+class RecordError(IntegrityError):
+    """The checkout record of a folder cannot be read: damaged, not luopan's, or unreadable (CLI exit 3)."""
 
 
 def read_record(root: str) -> Record | None:
@@ -92,8 +92,8 @@ def read_record(root: str) -> Record | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise RecordError(exc.errno or 5, f"cannot read the checkout record {path}: {exc.strerror or exc}; remove "
-                                          "it, or check out with --force (force=True)") from None
+        raise RecordError(f"cannot read the checkout record {path}: {exc.strerror or exc}; remove it, or check out "
+                          "with --force (force=True)") from None
     with open(fd, "rb") as f:
         data = f.read(MAX_MANIFEST_BYTES + 1)
     try:
@@ -106,7 +106,7 @@ def read_record(root: str) -> Record | None:
     except (SealError, KeyError, TypeError, ValueError):
         ok = False
     if not ok:
-        raise RecordError(5, f"{path} is not a checkout record this luopan can read (damaged, or not luopan's): "
+        raise RecordError(f"{path} is not a checkout record this luopan can read (damaged, or not luopan's): "
                              "remove it, or check out with --force (force=True); every file then counts as untracked")
     return rec
 

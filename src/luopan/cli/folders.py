@@ -25,8 +25,9 @@ def status(
     as_json: JsonOpt = False,
 ) -> None:
     """What differs between DIR and the version checked out there (or NAME@V): files modified, added and deleted,
-    by content. Exit 0 when DIR matches the version, 1 when it differs (as `git diff --exit-code`); errors print
-    `error:` with their usual codes (2 usage, 4 not found)."""
+    by content (luopan's own .luopan-checkout.json aside). Exit 0 when DIR matches the version, 1 when it differs (as
+    `git diff --exit-code`); an error prints `error:` and exits with its own code (2 usage, 3 a damaged record, 4 not
+    found)."""
     name, version = split_ref(ref)
     st = r.artifact(name).status(dest, version)
     if as_json:
