@@ -445,12 +445,16 @@ def test_readme_artifact_examples_run_as_written(tmp_path, child_env):
     proc = subprocess.run([PYTHON, "-c", python_block], cwd=tmp_path, env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert b"['run-a@100']" in proc.stdout
+    assert b"['part-0001.jsonl']" in proc.stdout  # status saw the edit; the forced checkout took it back
+    assert (tmp_path / "out-clean" / "part-0001.jsonl").read_text() == '{"id": 1, "text": "hello"}\n'
     luopan_cli = os.path.join(os.path.dirname(PYTHON), "luopan")
     script = bash_block.replace("luopan ", f"{luopan_cli} ")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-3000:]
     assert (tmp_path / "out-v2" / "part-0001.jsonl").exists()
+    assert not (tmp_path / "out-v2" / "part-0002.jsonl").exists()  # updated in place to datasets/clean@1
+    assert "part-0002.jsonl" in proc.stdout.decode()  # the diff's added file
     with luopan.open(tmp_path / "ckpts") as repo:
         assert [v.version for v in repo.artifact("datasets/clean").versions()] == [2]
         assert repo.lineage("datasets/clean@2").parents == ["datasets/raw@1"]
