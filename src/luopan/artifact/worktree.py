@@ -95,19 +95,25 @@ def read_record(root: str) -> Record | None:
         raise RecordError(f"cannot read the checkout record {path}: {exc.strerror or exc}; remove it, or check out "
                           "with --force (force=True)") from None
     with open(fd, "rb") as f:
-        data = f.read(MAX_MANIFEST_BYTES + 1)
+        return parse_checkout_record(f.read(MAX_MANIFEST_BYTES + 1), path)
+
+
+def parse_checkout_record(data: bytes, path: str) -> Record:
+    """A checkout record's bytes, read from ``path``, checked; RecordError naming ``path`` when they are not one."""
     try:
         doc = unseal(data)
         files, also = doc["files"], doc["also"]
         rec = Record(doc["repository"], doc["artifact"], doc["version"], files, list(doc["dirs"]),
                      doc["complete"], doc["written_ns"], also)
         ok = (doc["checkout_format"] == RECORD_FORMAT and isinstance(files, dict) and isinstance(also, dict)
-              and all(isinstance(e, dict) and isinstance(e.get("digest"), str) for e in files.values()))
+              and isinstance(rec.version, int) and isinstance(rec.written_ns, int) and isinstance(rec.artifact, str)
+              and all(isinstance(e, dict) and isinstance(e.get("digest"), str) for e in files.values())
+              and all(isinstance(d, list) for d in also.values()))
     except (SealError, KeyError, TypeError, ValueError):
         ok = False
     if not ok:
         raise RecordError(f"{path} is not a checkout record this luopan can read (damaged, or not luopan's): "
-                             "remove it, or check out with --force (force=True); every file then counts as untracked")
+                          "remove it, or check out with --force (force=True); every file then counts as untracked")
     return rec
 
 
