@@ -214,7 +214,9 @@ class Artifact:
         owner = ARTIFACTS_KIND.label(self.name, doc["version"])
         if not isinstance(force, bool):
             raise ArgumentTypeError(f"force must be True or False, got {force!r}")
-        if isinstance(dest, (str, os.PathLike)) and os.path.isdir(dest):
+        if isinstance(dest, bytes):
+            dest = os.fsdecode(dest)
+        if isinstance(dest, (str, os.PathLike)) and os.fspath(dest) and os.path.isdir(dest):
             return update(self.repo.store, owner, doc, os.path.abspath(dest), self.repo.where, force=force,
                           progress=progress)
         refuse_own_files(doc)
@@ -224,7 +226,9 @@ class Artifact:
     def status(self, dest: str | os.PathLike[str], version: int | None = None) -> CheckoutStatus:
         """How the folder ``dest`` differs from a version: by default the one checked out there last (from its
         record), else ``version``. ``modified``, ``added`` and ``deleted`` list paths; ``clean`` when none."""
-        root = os.path.abspath(os.fspath(dest))
+        if not isinstance(dest, (str, bytes, os.PathLike)):
+            raise ArgumentTypeError(f"a folder must be a path (str or os.PathLike), got {type(dest).__name__}")
+        root = os.path.abspath(os.fsdecode(os.fspath(dest)))
         if not os.path.isdir(root):
             raise UsageError(f"{root} is not a folder: give the folder an artifact was checked out into")
         rec = read_record(root)

@@ -185,12 +185,12 @@ class Digests:
 
     def __init__(self, root: str, local: Local, rec: Record | None) -> None:
         self.root, self.local, self.rec = root, local, rec
-        self._known: dict[str, str] = {}
+        self._seen: dict[str, str] = {}
 
     def of(self, path: str) -> str:
-        if path not in self._known:
-            self._known[path] = self._cached(path) or file_digest(os.path.join(self.root, path))
-        return self._known[path]
+        if path not in self._seen:
+            self._seen[path] = self._cached(path) or file_digest(os.path.join(self.root, path))
+        return self._seen[path]
 
     def _cached(self, path: str) -> str | None:
         entry = self.rec.files.get(path) if self.rec is not None else None
