@@ -50,6 +50,7 @@ from common import (
 ARTIFACT = "bench/data"
 FILES = 64  # A2/A3: files in the directory
 INSERT_BYTES = MIB  # A1: bytes of new lines inserted
+CHECKOUT_RECORD = ".luopan-checkout.json"  # a checkout's record (docs/format.md §8.2.1): luopan's, not data
 
 # -- realistic JSONL, generated with NumPy ---------------------------------------------------------------------
 # Each line is {"id": <n>, "text": "<words>", "score": 0.dddddd}. The text is 1-12 "phrases" drawn (Zipf) from a
@@ -222,7 +223,7 @@ def copy_tree(src: str, dst: str) -> None:
 def same_tree(a: str, b: str) -> str | None:
     """None if the trees under a and b hold the same files with the same bytes; else what differs."""
     def files(top: str) -> set[str]:
-        return {os.path.relpath(os.path.join(r, n), top) for r, _d, ns in os.walk(top) for n in ns}
+        return {os.path.relpath(os.path.join(r, n), top) for r, _d, ns in os.walk(top) for n in ns} - {CHECKOUT_RECORD}
 
     fa, fb = files(a), files(b)
     if fa != fb:
@@ -238,7 +239,8 @@ def same_file_checkout(dest: str, expected: str) -> str | None:
     if os.path.isfile(dest):
         got = dest
     else:
-        found = [os.path.join(r, n) for r, _d, ns in os.walk(dest) for n in ns]
+        found = [os.path.join(r, n) for r, _d, ns in os.walk(dest) for n in ns
+                 if os.path.relpath(os.path.join(r, n), dest) != CHECKOUT_RECORD]
         if len(found) != 1:
             return f"checkout of a single-file artifact holds {len(found)} files"
         got = found[0]

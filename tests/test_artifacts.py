@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import luopan
+from luopan.artifact.ownfiles import RECORD
 from luopan.artifact.writer import CDC_MAX
 from luopan.format.names import artifact_manifest_key
 from luopan.store import MemoryStore
@@ -43,13 +44,15 @@ def make_tree(root, seed=0):
 
 
 def tree_of(root):
-    """{relative path: (kind, mode, bytes)} of everything under root."""
+    """{relative path: (kind, mode, bytes)} of everything under root, but a checkout's record (luopan's own file)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
             rel = os.path.relpath(path, root)
+            if rel == RECORD:
+                continue
             if stat.S_ISDIR(st.st_mode):
                 out[rel] = ("dir", stat.S_IMODE(st.st_mode), None)
             else:
@@ -192,12 +195,14 @@ def test_paths_escaping_the_directory_are_refused(repo):
     assert repo.artifact("x").versions() == []
 
 
-def test_checkout_never_replaces_and_never_leaves_a_partial_directory(repo, tmp_path):
+def test_checkout_never_clobbers_and_never_leaves_a_partial_directory(repo, tmp_path):
     art = repo.artifact("x")
     art.commit({"f": os.urandom(500_000), "g": b"small"})
     (tmp_path / "taken").mkdir()
-    with pytest.raises(luopan.OutputPathError, match="already exists"):
+    (tmp_path / "taken" / "g").write_bytes(b"mine")  # an existing folder is updated in place, local files kept
+    with pytest.raises(luopan.CheckoutConflictError, match="force"):
         art.checkout(tmp_path / "taken")
+    assert os.listdir(tmp_path / "taken") == ["g"]
     assert art.checkout(tmp_path / "no" / "parent") == str(tmp_path / "no" / "parent")  # parents are made
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(luopan.OutputPathError, match="cannot create"):
@@ -440,12 +445,16 @@ def test_readme_artifact_examples_run_as_written(tmp_path, child_env):
     proc = subprocess.run([PYTHON, "-c", python_block], cwd=tmp_path, env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert b"['run-a@100']" in proc.stdout
+    assert b"['part-0001.jsonl']" in proc.stdout  # status saw the edit; the forced checkout took it back
+    assert (tmp_path / "out-clean" / "part-0001.jsonl").read_text() == '{"id": 1, "text": "hello"}\n'
     luopan_cli = os.path.join(os.path.dirname(PYTHON), "luopan")
     script = bash_block.replace("luopan ", f"{luopan_cli} ")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-3000:]
     assert (tmp_path / "out-v2" / "part-0001.jsonl").exists()
+    assert not (tmp_path / "out-v2" / "part-0002.jsonl").exists()  # updated in place to datasets/clean@1
+    assert "part-0002.jsonl" in proc.stdout.decode()  # the diff's added file
     with luopan.open(tmp_path / "ckpts") as repo:
         assert [v.version for v in repo.artifact("datasets/clean").versions()] == [2]
         assert repo.lineage("datasets/clean@2").parents == ["datasets/raw@1"]

@@ -37,7 +37,9 @@ def test_artifact_commands_end_to_end(tmp_path):
     assert "versions of datasets/clean" in run("-r", repo, "artifact", "log", "datasets/clean")
     run("-r", repo, "artifact", "checkout", "datasets/clean@1", tmp_path / "out")
     assert (tmp_path / "out" / "sub" / "b.txt").read_text() == "b"
-    run("-r", repo, "artifact", "checkout", "datasets/clean", tmp_path / "out", code=1)  # exists: nothing replaced
+    (tmp_path / "out" / "sub" / "b.txt").write_text("edited")
+    run("-r", repo, "artifact", "checkout", "datasets/clean", tmp_path / "out", code=1)  # a local edit: refused
+    assert (tmp_path / "out" / "sub" / "b.txt").read_text() == "edited"
     lin = json.loads(run("-r", repo, "lineage", "datasets/clean@1", "--json"))
     assert lin["parents"] == ["datasets/raw@1"]
     assert "-> datasets/clean@1" in run("-r", repo, "lineage", "datasets/raw@1")
@@ -88,3 +90,57 @@ def test_commit_creates_a_missing_repository_as_luopan_open_does(tmp_path):
         r = CliRunner().invoke(app, [*read, "-r", str(tmp_path / "none")])
         assert r.exit_code == 4 and "no luopan repository" in r.output, (read, r.output)
     assert not (tmp_path / "none").exists()
+
+
+def test_checkout_in_place_status_and_diff(tmp_path):
+    """The DVC workflow from the shell: check out, update in place, see what changed, refuse to clobber an edit."""
+    repo, data, co = tmp_path / "repo", tmp_path / "data", tmp_path / "co"
+    data.mkdir()
+    (data / "a.txt").write_text("a1\n")
+    (data / "keep.bin").write_bytes(b"k" * 5000)
+    (data / "old.txt").write_text("old\n")
+    run("-r", repo, "artifact", "commit", "ds", data)  # creates the repository
+    (data / "a.txt").write_text("a2, longer\n")
+    (data / "old.txt").unlink()
+    (data / "new.txt").write_text("new\n")
+    run("-r", repo, "artifact", "commit", "ds", data)
+    run("-r", repo, "artifact", "checkout", "ds@1", co)
+    ino = (co / "keep.bin").stat().st_ino
+    assert "checked out ds@2" in run("-r", repo, "artifact", "checkout", "ds@2", co)  # in place
+    assert (co / "keep.bin").stat().st_ino == ino and not (co / "old.txt").exists()
+    assert (co / "a.txt").read_text() == "a2, longer\n" and (co / "new.txt").read_text() == "new\n"
+    assert "clean" in run("-r", repo, "artifact", "status", "ds", co)
+    (co / "a.txt").write_text("my edit\n")
+    (co / "mine.txt").write_text("mine\n")
+    (co / "new.txt").unlink()
+    text = run("-r", repo, "artifact", "status", "ds", co, code=1)  # differs: exit 1, as git diff --exit-code
+    assert "modified:  a.txt" in text and "added:     mine.txt" in text and "deleted:   new.txt" in text
+    st = json.loads(run("-r", repo, "artifact", "status", "ds", co, "--json", code=1))
+    assert (st["ref"], st["clean"], st["modified"], st["added"], st["deleted"]) == (
+        "ds@2", False, ["a.txt"], ["mine.txt"], ["new.txt"])
+    res = CliRunner().invoke(app, ["-r", str(repo), "artifact", "checkout", "ds@1", str(co)])
+    assert res.exit_code == 1 and "a.txt" in res.stderr and "--force" in res.stderr, res.output
+    assert (co / "a.txt").read_text() == "my edit\n"  # nothing changed
+    run("-r", repo, "artifact", "checkout", "ds@1", co, "--force")
+    assert (co / "a.txt").read_text() == "a1\n" and (co / "old.txt").exists() and (co / "mine.txt").exists()
+    assert json.loads(run("-r", repo, "artifact", "status", "ds@1", co, "--json", code=1))["added"] == ["mine.txt"]
+    d = json.loads(run("-r", repo, "artifact", "diff", "ds@1", "ds@2", "--json"))
+    assert [(c["path"], c["size_a"], c["size_b"]) for c in d["modified"]] == [("a.txt", 3, 11)]
+    assert [c["path"] for c in d["added"]] == ["new.txt"] and [c["path"] for c in d["removed"]] == ["old.txt"]
+    assert d["unchanged"] == 1 and d["same"] is False
+    text = run("-r", repo, "artifact", "diff", "ds@1", "ds")  # NAME alone: the latest
+    assert "ds@1 -> ds@2" in text and "1 added, 1 removed, 1 modified, 1 unchanged" in text
+    run("-r", repo, "artifact", "diff", "ds@1", "ds@9", code=4)
+    run("-r", repo, "artifact", "diff", "ds@x", "ds@1", code=2)
+    run("-r", repo, "artifact", "status", "ds", tmp_path / "nowhere", code=2)  # a usage error, not 1 (differs)
+
+
+def test_reading_commands_on_a_missing_repository_say_so_and_create_nothing(tmp_path):
+    (tmp_path / "co").mkdir()
+    none = tmp_path / "none"
+    for args in (["checkout", "ds@1", str(tmp_path / "co")], ["status", "ds", str(tmp_path / "co")],
+                 ["diff", "ds@1", "ds@2"], ["log", "ds"], ["verify", "ds"], ["pin", "ds@1"], ["unpin", "ds@1"],
+                 ["prune", "ds", "--keep-last", "1"], ["ls"]):
+        res = CliRunner().invoke(app, ["-r", str(none), "artifact", *args])
+        assert res.exit_code == 4 and "no luopan repository" in res.output, (args, res.output)
+    assert not none.exists()

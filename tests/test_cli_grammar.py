@@ -37,7 +37,7 @@ MEANINGS = {
     "--channel-dir": ("an update channel's directory", "DIR"), "--channel-name": ("an update channel's name", "NAME"),
     "--chunk-size": ("chunk size in bytes", None), "--compression": ("blob compression", None),
     "--dry-run": ("change nothing, print the plan", None), "--expect-target": ("a target fingerprint", "FP"),
-    "--expires": ("how long an index stays valid", None), "--force": ("also pinned checkpoints", None),
+    "--expires": ("how long an index stays valid", None), "--force": ("override a safety refusal: pinned checkpoints, local edits in a checkout", None),
     "--from": ("the base step of a patch", "STEP"), "--from-file": ("a safetensors base file", None),
     "--full": ("read every chunk", None), "--pieces": ("sharded tensors as their stored shards", None),
     "--structure": ("check manifests and packs, read no chunk", None), "--grace": ("gc grace period", "DURATION"),
@@ -164,6 +164,7 @@ VERSION_REF = {  # NAME@V
     "lineage": ["lineage", "ds@1"], "artifact ls": ["artifact", "ls", "ds@1"],
     "artifact checkout": ["artifact", "checkout", "ds@1", "{ws}/out"], "artifact verify": ["artifact", "verify", "ds@1"],
     "artifact pin": ["artifact", "pin", "ds@1"], "artifact unpin": ["artifact", "unpin", "ds@1"],
+    "artifact status": ["artifact", "status", "ds@1", "{ws}/data"], "artifact diff": ["artifact", "diff", "ds@1", "ds@1"],
 }
 
 

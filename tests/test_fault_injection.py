@@ -1,7 +1,7 @@
 """Fault injection at every I/O call of every write path (issue 27; tests/faults.py).
 
 For each operation — a full save, a row-delta save with segments, an XOR-delta save, a save with entry groups, a
-collective save, gc with repack, prune/rm, an artifact commit, journal appends and a compaction, LangGraph puts and
+collective save, gc with repack, prune/rm, an artifact commit and an in-place checkout, journal appends and a compaction, LangGraph puts and
 a prune, an index snapshot and a rollback, a publish, a pull (a patch applied into the output), ``patch apply`` and
 ``upgrade`` — the test counts the ``write``, ``fsync``, ``rename`` and ``mkdir`` calls it makes, then, on a fresh copy
 of the same starting state each time, fails the n-th call of one kind with EIO, ENOSPC or EDQUOT (the errno cycles
@@ -375,6 +375,48 @@ class ArtifactCommit:
                 assert numbers == [1], f"a failed commit left version(s) {numbers[1:]}"
             assert set(acked) <= set(numbers)
             r.verify()
+
+
+def _tree(root):
+    """{relative path: bytes} of a folder's files, but luopan's own (its checkout record, temporary files)."""
+    out = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if not name.startswith(".luopan-"):
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+@operation("artifact_checkout_in_place", root="co")
+class ArtifactCheckoutInPlace:
+    """``checkout`` of version 2 over a folder holding version 1: files changed, one removed, one added, one kept."""
+
+    v1 = {**_files(1), "gone/old.txt": b"old\n"}
+    v2 = {**_files(2), "fresh/deeper/x.bin": b"x" * 5000}  # new directories: mkdir faults too
+
+    def build(self, world):
+        with open_repo(os.path.join(world, "repo")) as r:
+            r.artifact("ds").commit(self.v1)
+            r.artifact("ds").commit(self.v2)
+            r.artifact("ds").checkout(os.path.join(world, "co"), 1)
+
+    def run(self, world, acked):
+        with open_repo(os.path.join(world, "repo")) as r:
+            r.artifact("ds").checkout(os.path.join(world, "co"), 2)
+            acked.append(2)
+
+    def check(self, world, acked, complete):
+        co = os.path.join(world, "co")
+        got = _tree(co)
+        for path in set(self.v1) | set(self.v2):  # every file the old version's or the new one's
+            assert got.get(path) in (self.v1.get(path), self.v2.get(path)), f"{path} is neither old nor new"
+        with open_repo(os.path.join(world, "repo")) as r:
+            art = r.artifact("ds")
+            assert _artifact_content(art, 1) == self.v1 and _artifact_content(art, 2) == self.v2
+            if complete or acked:
+                assert got == self.v2 and art.status(co).clean
 
 
 # -- journals ----------------------------------------------------------------------------------------------------

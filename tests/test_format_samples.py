@@ -163,6 +163,10 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         return check_group_blob
     if heading.startswith("### 8.3"):
         return check_typed_nodes
+    if heading.startswith("#### 8.2.1"):
+        from luopan.artifact.worktree import parse_checkout_record
+
+        return lambda d: parse_checkout_record(sealed(d), "co/.luopan-checkout.json")
     if heading.startswith("### 8.2"):
         return lambda d: parse_artifact_manifest(sealed(d), "artifacts/datasets/clean/_v/00000002.json",
                                                  "datasets/clean", 2)

@@ -83,6 +83,7 @@ def test_artifact_and_journal_of_a_v4_repository(sample, tmp_path):
         out = art.checkout(tmp_path / f"co{version}", version)
         got = {os.path.relpath(os.path.join(d, f), out).replace(os.sep, "/"): pathlib.Path(d, f).read_bytes()
                for d, _, fs in os.walk(out) for f in fs}
+        assert got.pop(".luopan-checkout.json")  # the checkout's record (docs/format.md §8.2.1)
         assert got == gen.artifact_files(version)
         assert art.get(version).metadata == {"version": version}
     assert art.verify(2) > 0

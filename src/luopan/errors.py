@@ -289,6 +289,14 @@ class SourceChangedError(UnsupportedFileError):
     path: str = ""
 
 
+class CheckoutConflictError(LuopanError, FileExistsError):
+    """An artifact checkout into an existing folder would overwrite or remove local changes: files edited since the
+    last checkout, or files it does not know in the way of the version. Nothing was changed; ``paths`` lists them
+    (relative to the folder). Commit them first, or check out with ``force=True`` (``--force``) to discard them."""
+
+    paths: list[str] = []
+
+
 class ManifestNameError(CorruptManifestError):
     """A manifest (written by an older luopan) names a file the name rule refuses (docs/format.md §2); everything else
     in it is valid. It cannot be loaded as it is; ``doc`` is what it references, so gc keeps that data."""

@@ -4,6 +4,9 @@ repository as the checkpoints (docs/format.md §8.2).
     art = repo.artifact("datasets/clean")
     v = art.commit("data/clean/", parents=["datasets/raw@1"], metadata={"rows": 120000})
     art.checkout("out/clean")                       # latest version; the directory appears atomically, verified
+    art.checkout("out/clean", 1)                    # in place: only what differs is written, local edits refused
+    art.status("out/clean").modified                # what was edited since
+    art.diff(1, 2).added                            # what version 2 added
     with art.open("part-0001.jsonl", version=2) as f: ...
 """
 
@@ -17,10 +20,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import ArtifactNotFoundError, LuopanError, UsageError
+from ..errors import ArgumentTypeError, ArtifactNotFoundError, LuopanError, UsageError
 from ..format.canonical import canonical
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.names import artifact_manifest_key, check_artifact, check_version
+from ..format.names import artifact_manifest_key, check_artifact, check_version, parse_ref_text
 from ..repository.core import Repository, repository_of
 from ..repository.pins import add_pin, read_pins, remove_pin
 from ..repository.preflight import fits
@@ -30,9 +33,13 @@ from ..store.base import KeyNotFound
 from ..repository.verify import raise_problems, verify_manifests
 from ..units import format_bytes
 from .checkout import VerifiedReader, checkout, file_refs
+from .compare import ArtifactDiff, CheckoutStatus, folder_status, version_diff
 from .kind import ARTIFACTS_KIND
+from .ownfiles import RECORD
 from .manifest import ARTIFACT_FORMAT_VERSION, parse_artifact_manifest, seal_artifact_manifest
 from .sources import Collected, collect
+from .update import refuse_own_files, update
+from .worktree import read_record, record_of, write_record
 from .writer import store_sources
 
 
@@ -193,12 +200,62 @@ class Artifact:
         doc, _key = self._doc(version)
         return [{k: e[k] for k in ("path", "type", "mode", "size") if k in e} for e in doc["entries"]]
 
-    def checkout(self, dest: str | os.PathLike[str], version: int | None = None, *,
+    def checkout(self, dest: str | os.PathLike[str], version: int | None = None, *, force: bool = False,
                  progress: Callable[[int], Any] | None = None) -> str:
-        """Write a version (the latest when None) into the new directory ``dest``: every chunk is verified, files
-        are made durable, and the directory appears atomically (renamed into place whole). Returns its path."""
+        """Write a version (the latest when None) into the folder ``dest``; every chunk is verified and every file made
+        durable. Returns its path. A new ``dest`` appears atomically (renamed into place whole). An existing folder is
+        updated in place: files that already hold the version's bytes are left untouched, each changed file is
+        replaced atomically, files of the previous checkout the version lacks are removed, files luopan did not write
+        are left alone. It refuses (CheckoutConflictError, ``.paths``; nothing changed) to overwrite or remove a
+        local change — a file edited since the checkout, or one it did not write in the way — unless ``force``.
+        The folder keeps a record of what was checked out, ``.luopan-checkout.json`` (docs/format.md §8.2.1); a
+        checkout cut short leaves each file old or new and finishes when run again. ``progress(n)``: bytes."""
         doc, _key = self._doc(version)
-        return checkout(self.repo.store, ARTIFACTS_KIND.label(self.name, doc["version"]), doc, dest, progress)
+        owner = ARTIFACTS_KIND.label(self.name, doc["version"])
+        if not isinstance(force, bool):
+            raise ArgumentTypeError(f"force must be True or False, got {force!r}")
+        if isinstance(dest, bytes):
+            dest = os.fsdecode(dest)
+        if isinstance(dest, (str, os.PathLike)) and os.fspath(dest) and os.path.isdir(dest):
+            return update(self.repo.store, owner, doc, os.path.abspath(dest), self.repo.where, force=force,
+                          progress=progress)
+        refuse_own_files(doc)
+        return checkout(self.repo.store, owner, doc, dest, progress,
+                        lambda root: write_record(root, record_of(root, self.repo.where, doc)))
+
+    def status(self, dest: str | os.PathLike[str], version: int | None = None) -> CheckoutStatus:
+        """How the folder ``dest`` differs from a version: by default the one checked out there last (from its
+        record), else ``version``. ``modified``, ``added`` and ``deleted`` list paths; ``clean`` when none."""
+        if not isinstance(dest, (str, bytes, os.PathLike)):
+            raise ArgumentTypeError(f"a folder must be a path (str or os.PathLike), got {type(dest).__name__}")
+        root = os.path.abspath(os.fsdecode(os.fspath(dest)))
+        if not os.path.isdir(root):
+            raise UsageError(f"{root} is not a folder: give the folder an artifact was checked out into")
+        rec = read_record(root)
+        if version is None:
+            if rec is None:
+                raise UsageError(f"{root} has no checkout record ({RECORD}): name the version to compare it with, "
+                                 f"e.g. {self.name}@1 (Python: version=1)")
+            if rec.artifact != self.name:
+                raise UsageError(f"{root} holds a checkout of {rec.ref}, not of {self.name}: name the version to "
+                                 f"compare it with, e.g. {self.name}@1 (Python: version=1)")
+            version = rec.version
+        doc, _key = self._doc(version)
+        return folder_status(root, f"{self.name}@{doc['version']}", doc, rec)
+
+    def diff(self, a: int | str, b: int | str | None = None) -> ArtifactDiff:
+        """The files added, removed and modified (content or mode) from version ``a`` to version ``b`` (the latest when
+        None). Either may be a ``"NAME@V"`` of another artifact."""
+        (ref_a, doc_a), (ref_b, doc_b) = self._side(a), self._side(b)
+        return version_diff(ref_a, doc_a, ref_b, doc_b)
+
+    def _side(self, which: int | str | None) -> tuple[str, dict[str, Any]]:
+        art = self
+        if isinstance(which, str):
+            name, number = parse_ref_text(which, "artifact version")
+            art, which = Artifact(self.repo, name), number
+        doc, _key = art._doc(which)
+        return f"{art.name}@{doc['version']}", doc
 
     def open(self, path: str, version: int | None = None) -> io.BufferedReader:
         """A binary file object streaming one file of a version (the latest when None), each chunk verified as it is

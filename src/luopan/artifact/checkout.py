@@ -12,7 +12,7 @@ import shutil
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .._crash import crashpoint
@@ -23,6 +23,7 @@ from ..format.manifest import Row
 from ..repository.chunkio import ChunkRef, PackSizes, read_chunk
 from ..repository.parallel import WORKERS, ordered_map
 from ..store.base import Store
+from .ownfiles import FILE_TMP_PREFIX
 
 TMP_INFIX = ".tmp-"
 CHECKOUT_MODE_MASK = 0o1777  # setuid and setgid are never restored: a repository from elsewhere plants no such binary
@@ -49,8 +50,8 @@ def check_destination(dest: object) -> str:
         raise ArgumentTypeError(f"a checkout destination must be a path (str or os.PathLike), got {dest!r}")
     out = os.path.abspath(os.fspath(dest))
     if os.path.lexists(out):
-        raise OutputPathError(17, f"{out} already exists: check out into a new path (a checkout never merges into "
-                                  "or replaces existing files)")
+        raise OutputPathError(17, f"{out} already exists and is not a folder: check out into a new path, or into "
+                                  "a folder to update in place")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         try:
@@ -101,8 +102,9 @@ def _rename_noreplace(src: str, dst: str) -> None:
 
 
 def checkout(store: Store, owner: str, doc: dict[str, Any], dest: object,
-             progress: Callable[[int], Any] | None = None) -> str:
-    """Write every file and directory of a version under ``dest`` (which must not exist); returns its path."""
+             progress: Callable[[int], Any] | None = None, record: Callable[[str], None] | None = None) -> str:
+    """Write every file and directory of a version under ``dest`` (which must not exist); returns its path.
+    ``record(root)`` writes the checkout record into the new tree before it is renamed into place."""
     out = check_destination(dest)
     parent, base = os.path.split(out)
     _remove_abandoned(parent, base)
@@ -113,6 +115,9 @@ def checkout(store: Store, owner: str, doc: dict[str, Any], dest: object,
         raise _output_error(exc, out) from None
     try:
         _build(store, owner, doc, tmp, progress)
+        if record is not None:
+            record(tmp)
+        _fsync(tmp)
         crashpoint("artifact.checkout.built")
         try:
             _rename_noreplace(tmp, out)
@@ -130,13 +135,30 @@ def checkout(store: Store, owner: str, doc: dict[str, Any], dest: object,
 def _build(store: Store, owner: str, doc: dict[str, Any], root: str, progress: Callable[[int], Any] | None) -> None:
     entries = doc["entries"]
     dirs = [e for e in entries if e["type"] == "dir"]
-    files = [e for e in entries if e["type"] == "file"]
     for e in sorted(dirs, key=lambda e: e["path"].count("/")):
         os.mkdir(os.path.join(root, e["path"]), 0o700)
+    write_files(store, owner, doc, [e for e in entries if e["type"] == "file"], root, progress, replace=False)
+    for e in sorted(dirs, key=lambda e: -e["path"].count("/")):  # deepest first: a read-only one is set last
+        path = os.path.join(root, e["path"])
+        _fsync(path)
+        os.chmod(path, e["mode"] & CHECKOUT_MODE_MASK)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+
+
+def write_files(store: Store, owner: str, doc: dict[str, Any], files: list[dict[str, Any]], root: str,
+                progress: Callable[[int], Any] | None, *, replace: bool) -> None:
+    """Write the file ``entries`` of a version under ``root``, every chunk verified before it reaches a file, every
+    file fsync'd and given its mode. ``replace=False``: each file is created at its path (a new tree).
+    ``replace=True``: each is written to a temporary file beside its path (``FILE_TMP_PREFIX``), fsync'd, then
+    renamed over the path, so the path holds its old bytes or the whole new file; the caller syncs the directories.
+    On failure no temporary file is left."""
     sizes = PackSizes(store)
     sizes.prefetch({doc["packs"][Row._make(r).pack] for e in files for r in e["chunks"]})
     jobs = [(n, ref) for n, e in enumerate(files) for ref in file_refs(owner, doc, e)]
     left = [len(e["chunks"]) for e in files]  # chunks still to write, per file
+    temps: dict[int, str] = {}  # file number -> its temporary path, until renamed (replace=True)
 
     def fetch(job: tuple[int, ChunkRef]) -> tuple[int, bytearray]:
         n, ref = job
@@ -145,12 +167,17 @@ def _build(store: Store, owner: str, doc: dict[str, Any], root: str, progress: C
         read_chunk(store, ref, memoryview(buf), sizes)  # verified before it reaches the file
         return n, buf
 
-    def finish(f: Any, path: str, mode: int) -> None:
+    def finish(n: int, f: Any) -> None:
         try:
             os.fsync(f.fileno())
         finally:
             f.close()
-        os.chmod(path, mode & CHECKOUT_MODE_MASK)
+        path = os.path.join(root, files[n]["path"])
+        os.chmod(temps.get(n, path), files[n]["mode"] & CHECKOUT_MODE_MASK)
+        if replace:
+            os.replace(temps[n], path)
+            del temps[n]
+            crashpoint("artifact.checkout.file.renamed")
 
     slots = threading.BoundedSemaphore(OPEN_FILES)
     syncs: list[Future[None]] = []
@@ -159,7 +186,11 @@ def _build(store: Store, owner: str, doc: dict[str, Any], root: str, progress: C
         def open_file(n: int) -> Any:
             slots.acquire()
             try:
-                return open(os.path.join(root, files[n]["path"]), "xb", buffering=0)  # noqa: SIM115
+                path = os.path.join(root, files[n]["path"])
+                if replace:
+                    path = temps[n] = os.path.join(os.path.dirname(path),
+                                                   f"{FILE_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+                return open(path, "xb", buffering=0)  # noqa: SIM115
             except BaseException:
                 slots.release()
                 raise
@@ -167,41 +198,52 @@ def _build(store: Store, owner: str, doc: dict[str, Any], root: str, progress: C
         def close_file(n: int, f: Any) -> None:
             def run() -> None:
                 try:
-                    finish(f, os.path.join(root, files[n]["path"]), files[n]["mode"])
+                    finish(n, f)
                 finally:
                     slots.release()
             syncs.append(fsyncs.submit(run))
 
         try:
-            for n in range(len(files)):  # empty files: no chunk will arrive for them
-                if not left[n]:
-                    close_file(n, open_file(n))
-            opened = -1
-            with ThreadPoolExecutor(WORKERS, "luopan-checkout") as pool:
-                for n, buf in ordered_map(pool, fetch, jobs, window=4 * WORKERS):
-                    if n != opened:  # chunks arrive in file order: each file is opened once, then closed
-                        current, opened = open_file(n), n
-                    current.write(buf)
-                    if progress is not None:
-                        progress(len(buf))
-                    left[n] -= 1
+            try:
+                for n in range(len(files)):  # empty files: no chunk will arrive for them
                     if not left[n]:
-                        close_file(n, current)
-                        current = None
-        finally:
-            if current is not None:
-                current.close()
-                slots.release()
-    for f in syncs:
-        f.result()  # the first fsync/chmod error, if any
-    for e in sorted(dirs, key=lambda e: -e["path"].count("/")):  # deepest first: a read-only one is set last
-        path = os.path.join(root, e["path"])
-        _fsync(path)
-        os.chmod(path, e["mode"] & CHECKOUT_MODE_MASK)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(root, 0o777 & ~umask)
-    _fsync(root)
+                        close_file(n, open_file(n))
+                opened = -1
+                with ThreadPoolExecutor(WORKERS, "luopan-checkout") as pool:
+                    for n, buf in ordered_map(pool, fetch, jobs, window=4 * WORKERS):
+                        if n != opened:  # chunks arrive in file order: each file is opened once, then closed
+                            current, opened = open_file(n), n
+                        current.write(buf)
+                        if progress is not None:
+                            progress(len(buf))
+                        left[n] -= 1
+                        if not left[n]:
+                            close_file(n, current)
+                            current = None
+            finally:
+                if current is not None:
+                    current.close()
+                    slots.release()
+        except BaseException:
+            for f in syncs:
+                f.cancel()
+            wait(syncs)
+            for tmp in list(temps.values()):
+                _unlink_quietly(tmp)
+            raise
+    try:
+        for f in syncs:
+            f.result()  # the first fsync/chmod/rename error, if any
+    finally:
+        for tmp in list(temps.values()):  # a file whose finish failed: its temporary file goes
+            _unlink_quietly(tmp)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class VerifiedReader(io.RawIOBase):

@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..format.names import show_path
 from .manifest import check_relpath
+from .ownfiles import OWN_FILES, is_luopans
 
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
@@ -133,6 +134,8 @@ def collect(what: Any) -> Collected:
     if stat.S_ISREG(st.st_mode):
         name = os.path.basename(root.rstrip(os.sep)) or "file"
         why = check_relpath(name)
+        if why is None and is_luopans(name):
+            why = OWN_FILES
         if why is not None:
             raise _bad_name(root, why)
         return Collected("file", [Source(name, stat.S_IMODE(st.st_mode), st.st_size, fs_path=root,
@@ -148,6 +151,8 @@ def collect(what: Any) -> Collected:
         for name, est in _list(abs_dir, ident):
             full = os.path.join(abs_dir, name)
             rel_path = f"{rel}/{name}" if rel else name
+            if is_luopans(rel_path):  # a checkout's record or temporary file: luopan's, never data
+                continue
             why = check_relpath(rel_path)
             if why is not None:
                 raise _bad_name(full, why)
@@ -182,6 +187,8 @@ def _from_mapping(mapping: Mapping[Any, Any]) -> Collected:
     dirs: set[str] = set()
     for path, data in mapping.items():
         why = check_relpath(path)
+        if why is None and is_luopans(path):
+            why = OWN_FILES
         if why is not None:
             raise InvalidPathError(f"{show_path(path)} cannot be stored in an artifact: it is {why}; use relative "
                                    "paths like 'part-0001.jsonl' or 'train/part-0001.jsonl'")

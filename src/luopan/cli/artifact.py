@@ -1,4 +1,4 @@
-"""``luopan artifact commit|ls|log|checkout|verify|pin|unpin|prune`` and ``luopan lineage``: versioned files and
+"""``luopan artifact commit|ls|log|checkout|verify|pin|unpin|prune`` (status and diff: cli.folders) and ``luopan lineage``: versioned files and
 directories (datasets, eval outputs) in the same repository as the checkpoints."""
 
 from __future__ import annotations
@@ -224,15 +224,19 @@ def checkout(
     *,
     r: Repo,
     ref: Annotated[str, typer.Argument(metavar="NAME[@V]", help="Artifact (latest version) or NAME@V.")],
-    dest: Annotated[str, typer.Argument(help="New directory to create (must not exist).")],
+    dest: Annotated[str, typer.Argument(help="Folder to write: a new one, or one to update in place.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite or remove local changes in DEST.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a version into the new directory DEST: every chunk verified, the directory appears whole."""
+    """Write a version into DEST, every chunk verified. A new DEST appears whole. An existing folder is updated in
+    place: only files that differ are written, files of the previous checkout the version lacks are removed, files
+    luopan did not write are left alone; it refuses to overwrite or remove local changes (edited files, files in the
+    way) unless --force. DEST/.luopan-checkout.json records what was checked out (`luopan artifact status`)."""
     name, version = split_ref(ref)
     art = r.artifact(name)
     v = art.get(version)
     with bar("checking out", v.logical_bytes) as advance:
-        path = art.checkout(dest, v.version, progress=advance)
+        path = art.checkout(dest, v.version, force=force, progress=advance)
     if as_json:
         emit_json({**version_json(v), "path": str(path)})
         return

@@ -1,7 +1,7 @@
 """``luopan`` CLI entry point: the app (luopan.cli.app) with every command module registered on it.
 
 Commands by concern: inspect (ls, show, diff, du), read (verify, export), maintain (init, prune, pin, unpin, gc,
-locks, unlock), artifact (artifact commit/ls/log/checkout/verify/pin/unpin/prune, lineage), tier (replicate,
+locks, unlock), artifact (artifact commit/ls/log/checkout/verify/pin/unpin/prune, lineage), folders (artifact status/diff), tier (replicate,
 cold), plan, keys (key gen, sign). The repository comes from ``-r/--repo`` (before or after the command)
 or ``LUOPAN_REPO``. Exit codes: luopan.cli.app.EXIT_CODES.
 """
@@ -9,6 +9,7 @@ or ``LUOPAN_REPO``. Exit codes: luopan.cli.app.EXIT_CODES.
 from __future__ import annotations
 
 from . import inspect, read, maintain, artifact, tier, plan, keys, channel  # noqa: F401,I001  (each registers its commands on app, in --help order)
+from . import folders  # noqa: F401,I001  (luopan artifact status|diff)
 from . import patch  # noqa: F401,I001  (luopan patch create|apply)
 from . import index  # noqa: F401,I001  (luopan index ls|rollback)
 from . import doctor  # noqa: F401,I001  (luopan doctor)
