@@ -1,5 +1,5 @@
-"""``luopan lineage link RUN@STEP NAME@V`` and ``repo.link_inputs`` (issue 31, docs/format.md §9.4): an input
-recorded afterwards, as a link file beside the checkpoint — the manifest's bytes never change; lineage (both ways)
+"""``luopan lineage link RUN@STEP NAME@V`` and ``repo.run(RUN).link_inputs(STEP, inputs)`` (issue 31, docs/format.md
+§9.4): an input recorded afterwards, as a link file beside the checkpoint — the manifest's bytes never change; lineage (both ways)
 lists it with the manifest's own inputs; typed errors that say what exists; idempotent; gc drops the link of a
 removed checkpoint, and a checkpoint saved again at that step does not inherit it; every crash state of a link is
 either no link or the whole link."""
@@ -70,23 +70,23 @@ def test_link_from_the_cli_is_in_lineage_both_ways_and_the_manifest_is_untouched
 
 def test_python_api_is_idempotent_and_validates(repo_path):
     with luopan.open(repo_path) as r:
-        assert r.link_inputs("ft", 1, ["datasets/train@1", "base@10"]) == ["datasets/train@1", "base@10"]
-        assert r.link_inputs("ft", 1, ["datasets/train@1"]) == []  # again: nothing new
-        assert r.link_inputs("ft", 2, ["base@10"]) == []  # already in the manifest's own inputs
+        assert r.run("ft").link_inputs(1, ["datasets/train@1", "base@10"]) == ["datasets/train@1", "base@10"]
+        assert r.run("ft").link_inputs(1, ["datasets/train@1"]) == []  # again: nothing new
+        assert r.run("ft").link_inputs(2, ["base@10"]) == []  # already in the manifest's own inputs
         assert r.repository.lineage("ft@1").parents == ["datasets/train@1", "base@10"]
         files = sorted(r.store.list("refs/links/"))
         assert len(files) == 2 and all(k.startswith("refs/links/ft/00000001/") for k in files)
 
         with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint at step 7.*luopan ls ft"):
-            r.link_inputs("ft", 7, ["datasets/train@1"])
+            r.run("ft").link_inputs(7, ["datasets/train@1"])
         with pytest.raises(ManifestNotFoundError, match=r"'datasets/train@9' does not exist.*luopan artifact ls"):
-            r.link_inputs("ft", 2, ["datasets/train@9"])
+            r.run("ft").link_inputs(2, ["datasets/train@9"])
         with pytest.raises(InvalidNameError):
-            r.link_inputs("ft", 2, ["datasets/train@x"])
+            r.run("ft").link_inputs(2, ["datasets/train@x"])
         with pytest.raises(UsageError, match="not the string"):
-            r.link_inputs("ft", 2, "datasets/train@1")
+            r.run("ft").link_inputs(2, "datasets/train@1")
         with pytest.raises(UsageError, match="input of itself"):
-            r.link_inputs("ft", 2, ["ft@2"])
+            r.run("ft").link_inputs(2, ["ft@2"])
         assert len(list(r.store.list("refs/links/"))) == 2  # a refused call wrote nothing
 
 
@@ -100,8 +100,8 @@ def test_cli_errors_have_exit_codes(repo_path):
 
 def test_gc_drops_the_links_of_a_removed_checkpoint_and_a_new_save_does_not_inherit_them(repo_path):
     with luopan.open(repo_path) as r:
-        r.link_inputs("ft", 1, ["datasets/train@2"])
-        r.link_inputs("ft", 2, ["datasets/train@1"])
+        r.run("ft").link_inputs(1, ["datasets/train@2"])
+        r.run("ft").link_inputs(2, ["datasets/train@1"])
         r.delete("ft", 1)
         r.save("ft", 1, {"w": np.zeros(4, np.float32)})  # the same step again: another checkpoint
         assert r.repository.lineage("ft@1").parents == []
@@ -119,7 +119,7 @@ def test_every_crash_state_of_a_link_is_no_link_or_the_whole_link(tmp_path, repo
 
     def op(rec):
         r = luopan.open(root, progress=False)
-        r.link_inputs("ft", 1, ["datasets/train@2"])
+        r.run("ft").link_inputs(1, ["datasets/train@2"])
         rec.ack("linked")
         r.close()
 
@@ -135,7 +135,7 @@ def test_every_crash_state_of_a_link_is_no_link_or_the_whole_link(tmp_path, repo
             assert r.repository.lineage("ft@2").parents == ["base@10"]
             w = np.random.default_rng(0).standard_normal(512).astype(np.float32)
             np.testing.assert_array_equal(np.asarray(r.load("ft", 2)["w"]), w + 2)  # the checkpoint is untouched
-            r.link_inputs("ft", 1, ["datasets/train@2"])  # finishing it after the crash works
+            r.run("ft").link_inputs(1, ["datasets/train@2"])  # finishing it after the crash works
             assert r.repository.lineage("ft@1").parents == ["datasets/train@2"]
 
     assert check_crash_states(rec, tmp_path, check) > 3

@@ -11,7 +11,7 @@ from ._compat import deprecated_alias
 from ._moved import given as _given, moved, step_second as _step_second
 from .artifact import ARTIFACTS_KIND, Artifact
 from .checkpoint import CHECKPOINTS, CheckpointInfo, Checkpoints, DeltaPolicy, Run, SaveHandle, VerifyReport
-from .errors import CheckpointNotFoundError, UsageError
+from .errors import UsageError
 from .format.config import Compression, RepoConfig
 from .format.manifest import Manifest
 from .index import INDEX_KIND, IndexStore
@@ -179,19 +179,6 @@ class Repo:
     def index(self, name: str, *, fsync: str = "always") -> IndexStore:
         """The vector index ``name`` of this repository (FAISS snapshots, docs/format.md §17)."""
         return IndexStore(self.repository, name, fsync=fsync)
-
-    def link_inputs(self, run: str, step: int, inputs: list[str]) -> list[str]:
-        """Record ``inputs`` (artifact versions or checkpoints, "NAME@V") as what checkpoint ``run@step`` was made
-        from, after it was saved: as ``save(..., inputs=...)`` would have, but without rewriting its manifest (a link
-        file beside it, docs/format.md §9.4; ``luopan lineage link RUN@STEP NAME@V``). ``repository.lineage`` and
-        ``luopan lineage`` then list them with the manifest's own inputs. Returns the inputs newly linked: linking
-        one again, or one the manifest already names, changes nothing. CheckpointNotFoundError when the checkpoint
-        does not exist, ManifestNotFoundError when an input does not (nothing written). A link whose checkpoint is
-        removed is dropped by the next ``gc``."""
-        if not self.store.exists(CHECKPOINTS.manifest_key(CHECKPOINTS.check_series(run), step)):
-            raise CheckpointNotFoundError(f"run {run!r} has no checkpoint at step {step}, so no input can be linked "
-                                          f"to it (see `luopan ls {run}`)")
-        return self.repository.link_inputs(CHECKPOINTS, run, step, inputs)
 
     # -- the whole repository ---------------------------------------------------------------------------------------
     def gc(self, *, grace: float | None = None, repack_below: float | None = None, dry_run: bool = False,

@@ -83,7 +83,7 @@ def link(
     checkpoint is removed is dropped by `luopan gc`."""
     run, step = ref_argument(ref, "checkpoint (RUN@STEP)")
     with usage_errors():
-        added = r.link_inputs(run, step, list(inputs))
+        added = r.run(run).link_inputs(step, list(inputs))
     result: dict[str, Any] = {"ref": f"{run}@{step}", "linked": added,
                               "already": [i for i in inputs if i not in added]}
     if as_json:
