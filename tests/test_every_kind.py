@@ -181,7 +181,7 @@ def test_show_gives_each_kind_in_its_words(repos):
 
 
 @pytest.mark.parametrize("which", ["langgraph", "index", "artifact", "mixed"])
-def test_the_report_lists_every_kind_with_sizes(repos, which):
+def test_the_report_lists_every_kind_with_sizes(repos, which, tmp_path):
     paths, graph_checkpoints = repos
     with luopan.open(paths[which], create=False) as r:
         page, data = build_report(r)
@@ -195,6 +195,9 @@ def test_the_report_lists_every_kind_with_sizes(repos, which):
         assert (f"2 threads, {graph_checkpoints} checkpoints" if kind == "journal" else holds) in page
     if which == "langgraph":
         assert f"1 journal(s) (1 LangGraph: 2 thread(s), {graph_checkpoints} checkpoint(s))" in page
+    summary = as_json("report", "-r", paths[which], "-o", tmp_path / "r.html")
+    assert (summary["journals"], summary["indexes"]) == (int("journal" in {k for k, _n, _h in EXPECTED[which]}),
+                                                         int(which in ("index", "mixed")))
 
 
 def test_an_empty_repository_says_nothing_is_stored(tmp_path):
