@@ -167,8 +167,10 @@ def test_show_gives_each_kind_in_its_words(repos):
     path = paths["mixed"]
     lg = as_json("show", "-r", path, "langgraph")
     assert lg["contents"] == {"threads": 2, "checkpoints": graph_checkpoints} and lg["log_bytes"] > 0
-    assert f"LangGraph journal langgraph: 2 threads, {graph_checkpoints} checkpoints" in \
-        cli("show", "-r", path, "langgraph").stdout
+    assert lg["threads"] == {t: graph_checkpoints // len(THREADS) for t in THREADS}
+    text = cli("show", "-r", path, "langgraph").stdout
+    assert f"LangGraph journal langgraph: 2 threads, {graph_checkpoints} checkpoints" in text
+    assert all(f"{t}  " in text for t in THREADS)  # one row per thread
     kb = as_json("show", "-r", path, "kb")
     assert [v["number"] for v in kb["versions"]] == [1, 2] and kb["versions"][1]["ntotal"] == 400
     text = cli("show", "-r", path, "kb@2").stdout
@@ -220,3 +222,25 @@ def test_a_same_step_save_that_writes_nothing_is_not_infinitely_smaller(tmp_path
         r.save("a", 2, {"w": w})  # every chunk is already stored: written 0 B
         page, data = build_report(r, ["a"])
     assert "∞" not in page and "every byte reused from earlier saves" in page
+
+
+def test_a_compacted_langgraph_journal_counts_its_snapshot_and_the_records_after(tmp_path):
+    """Threads and checkpoints come from the journal's snapshot plus the records after it; a deleted thread is gone."""
+    path = tmp_path / "lg"
+    made = _graph_run(path)
+    with LuopanSaver(str(path)) as saver:
+        saver.delete_thread("t2")
+        saver.compact()  # a snapshot of t1 only; the log segments it covers go
+    g = StateGraph(State)
+    g.add_node("step", lambda s: {"messages": ["again"], "n": s["n"] + 1})
+    g.add_edge(START, "step")
+    g.add_edge("step", END)
+    with LuopanSaver(str(path)) as saver:
+        g.compile(checkpointer=saver).invoke({"messages": ["x"], "n": 0}, {"configurable": {"thread_id": "t3"}})
+        t3 = len(list(saver.list({"configurable": {"thread_id": "t3"}})))
+    shown = as_json("show", "-r", path, "langgraph")
+    assert shown["threads"] == {"t1": made // len(THREADS), "t3": t3}
+    assert shown["manifests"] == 1 and shown["stored_bytes"] > 0  # the snapshot: a journal manifest with chunks
+    listed = as_json("ls", "-r", path)["journals"][0]
+    assert listed["contents"] == {"threads": 2, "checkpoints": made // len(THREADS) + t3}
+    assert "1 snapshot" in listed["holds"]

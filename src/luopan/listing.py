@@ -39,6 +39,15 @@ def describe(repo: Any, kinds: tuple[Any, ...] | None = None) -> Holdings:
     return found
 
 
+def journal_threads(repo: Any, name: str) -> dict[str, int] | None:
+    """thread -> checkpoints of a LangGraph saver's journal, or None (not one, or langgraph not installed)."""
+    try:
+        from .langgraph.contents import threads_of
+    except ImportError:
+        return None
+    return threads_of(repo, name)
+
+
 def _journal_describers() -> list[Any]:
     try:  # an optional dependency: without langgraph installed, journals are described as journals
         from .langgraph.contents import describe_journal

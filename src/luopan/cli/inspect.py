@@ -10,6 +10,7 @@ import typer
 from ..checkpoint import CheckpointInfo, diff_manifests, list_resumes
 from ..repo import Repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
+from ..listing import PLURAL, WORDS, describe, dedup_words, kind_counts, series_json
 from .artifact import KindOpt, is_artifact_target, print_log
 from .app import (
     DEDUP_DEFINITION,
@@ -31,9 +32,8 @@ from .app import (
     report_strays,
     table,
 )
-from ..listing import PLURAL, WORDS, describe, dedup_words, kind_counts, series_json
 from .grammar import LegacyStep, RunRef, checkpoint_ref, deprecated
-from .kinds import other_kinds_table, print_kinds, print_storage, show_other, other_target
+from .kinds import other_kinds_table, other_target, print_kinds, print_storage, show_other
 
 @app.command("ls")
 @opens_repo

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..errors import IntegrityError, ManifestNotFoundError, StorageError, UnsupportedFormatError
-from ..listing import WORDS, describe, dedup_words, holds, kind_of, plural, series_json
+from ..listing import WORDS, describe, dedup_words, holds, journal_threads, kind_of, plural, series_json
 from ..repo import Repo
 from ..repository.usage import Holdings, SeriesUsage
 from ..store.base import KeyNotFound
@@ -87,11 +87,19 @@ def show_other(r: Repo, kind: Any, name: str, number: int | None, as_json: bool)
         rows.append({"number": n, "created": doc.get("created", ""), "stats": doc.get("stats", {}),
                      "metadata": doc.get("metadata", {}), "entries": len(doc.get("entries", [])),
                      **{k: doc[k] for k in ("parents", "index_type", "ntotal", "dim") if k in doc}})
+    threads = journal_threads(r, name) if "threads" in s.contents else None
     if as_json:
-        emit_json({**series_json(s), kind.number_noun + "s": rows})
+        emit_json({**series_json(s), kind.number_noun + "s": rows, **({"threads": threads} if threads else {})})
         return
     out.print(f"{kind_of(s)} {name}: {holds(s)}; {human(s.logical_bytes)} logical, {human(s.stored_bytes)} stored "
               f"({dedup_words(s.logical_bytes, s.stored_bytes)})", highlight=False, markup=False)
+    if threads:
+        t = table(title=f"threads of {name}")
+        t.add_column("thread")
+        t.add_column("checkpoints", justify="right")
+        for thread, n in threads.items():
+            t.add_row(thread, str(n))
+        out.print(t)
     if not rows:
         out.print(f"no {WORDS.get(kind.name, ('', kind.noun))[1]} yet" + (": everything is in its log" if s.log_bytes
                                                                         else ""), highlight=False, markup=False)

@@ -14,6 +14,7 @@ from ..checkpoint import check as check_repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import check_run
 from ..repo import Repo
+from ..listing import dedup_words, describe, kind_counts, series_json
 from ..repository.verify import manifest_chunk_refs
 from .app import (
     DEDUP_DEFINITION,
@@ -31,7 +32,6 @@ from .app import (
     report_strays,
     table,
 )
-from ..listing import dedup_words, describe, kind_counts, series_json
 from .grammar import RUN_REF, checkpoint_ref
 from .kinds import other_kinds_table, print_kinds, print_storage
 
@@ -109,6 +109,9 @@ def stats(
                     "dedup_ratio": dedup_ratio(d["logical_bytes"], d["stored_bytes"]), "kinds": h.kinds,
                     "series": [series_json(s) for s in h.series if s.kind != "checkpoint"]})
         doc["repository"] = {**d, "dedup_ratio": doc["dedup_ratio"]}
+        only = {s.series: s.exclusive_bytes for s in h.series if s.kind == "checkpoint"}
+        for row in per_run:  # what `rm RUN` then `gc` frees: chunks no other series of any kind references
+            row["exclusive_bytes"] = only.get(row["run"], row["exclusive_bytes"])
         logical, stored, selected = d["logical_bytes"], d["stored_bytes"], range(d["chunks"])
     if as_json:
         emit_json(doc)

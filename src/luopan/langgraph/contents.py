@@ -22,10 +22,10 @@ def _is_langgraph(value: Any) -> bool:
     return isinstance(head[0], int) or head[0] == SNAPSHOT_MAGIC
 
 
-def describe_journal(repo: Any, name: str) -> dict[str, int] | None:
-    """``{"threads": n, "checkpoints": m}`` of the LangGraph journal ``name`` of ``repo`` (an open luopan.Repo or
-    Repository), or None when it is not a LangGraph saver's journal or cannot be read now (a listing shows its
-    journal words then; ``luopan verify`` and opening the saver name any damage)."""
+def threads_of(repo: Any, name: str) -> dict[str, int] | None:
+    """thread id -> its checkpoints (every namespace) in the LangGraph journal ``name`` of ``repo`` (an open
+    luopan.Repo or Repository), or None when it is not a LangGraph saver's journal or cannot be read now (a listing
+    shows its journal words then; ``luopan verify`` and opening the saver name any damage)."""
     try:
         with Journal(repo, name=name, read_only=True) as journal:
             snap = journal.latest_snapshot()
@@ -46,5 +46,13 @@ def describe_journal(repo: Any, name: str) -> dict[str, int] | None:
                 return None  # an empty journal: nothing says whose it is
     except (LuopanError, OSError):
         return None
-    threads = {thread for thread, _ns, _sp in index.spaces()}
-    return {"threads": len(threads), "checkpoints": sum(len(sp.ckpts) for _t, _n, sp in index.spaces())}
+    out: dict[str, int] = {}
+    for thread, _ns, space in index.spaces():
+        out[thread] = out.get(thread, 0) + len(space.ckpts)
+    return dict(sorted(out.items()))
+
+
+def describe_journal(repo: Any, name: str) -> dict[str, int] | None:
+    """``{"threads": n, "checkpoints": m}`` of the LangGraph journal ``name``, or None (see threads_of)."""
+    threads = threads_of(repo, name)
+    return None if threads is None else {"threads": len(threads), "checkpoints": sum(threads.values())}
