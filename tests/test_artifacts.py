@@ -458,6 +458,7 @@ def test_readme_artifact_examples_run_as_written(tmp_path, child_env):
     with luopan.open(tmp_path / "ckpts") as repo:
         assert [v.version for v in repo.artifact("datasets/clean").versions()] == [2]
         assert repo.lineage("datasets/clean@2").parents == ["datasets/raw@1"]
+        assert repo.repository.lineage("run-a@100").parents == ["datasets/clean@1", "datasets/clean@2"]  # linked
 
 
 # -- review findings: tiers, limits, hostile input ----------------------------------------------------------------

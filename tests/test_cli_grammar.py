@@ -157,11 +157,13 @@ REF = {  # command -> argv with the reference; the `ref` position is where a mal
     "diff": ["diff", "run-a@1", "{ref}"], "rm": ["rm", "{ref}"],
     "patch create": ["patch", "create", "{ref}", "--from", "1", "-o", "{ws}/q.lpatch"],
     "publish": ["publish", "{ref}", "--channel-dir", "{ws}/chan", "--sign", "{key}"],
+    "lineage link": ["lineage", "link", "{ref}", "ds@1"],
 }
 GOOD = {"show": "run-a@1", "export": "run-a@2", "verify": "run-a@1", "sign": "run-a@1", "pin": "run-a@1",
-        "unpin": "run-a@1", "diff": "run-a@2", "rm": "run-b@1", "patch create": "run-a@2", "publish": "run-a@2"}
+        "unpin": "run-a@1", "diff": "run-a@2", "rm": "run-b@1", "patch create": "run-a@2", "publish": "run-a@2",
+        "lineage link": "run-a@1"}
 VERSION_REF = {  # NAME@V
-    "lineage": ["lineage", "ds@1"], "artifact ls": ["artifact", "ls", "ds@1"],
+    "lineage show": ["lineage", "ds@1"], "artifact ls": ["artifact", "ls", "ds@1"],
     "artifact checkout": ["artifact", "checkout", "ds@1", "{ws}/out"], "artifact verify": ["artifact", "verify", "ds@1"],
     "artifact pin": ["artifact", "pin", "ds@1"], "artifact unpin": ["artifact", "unpin", "ds@1"],
     "artifact status": ["artifact", "status", "ds@1", "{ws}/data"], "artifact diff": ["artifact", "diff", "ds@1", "ds@1"],

@@ -65,7 +65,7 @@ def test_stats_whole_repository_and_one_run(repo):
     one = as_json("stats", "-r", repo, "b")
     assert one["checkpoints"] == 1 and one["stored_bytes"] == 6 * 4096 and [r["run"] for r in one["runs"]] == ["b"]
     text = cli("stats", "-r", repo).stdout
-    assert "4 checkpoint(s)" in text and "only this run" in text and LONG in text
+    assert "4 checkpoints" in text and "only this run" in text and LONG in text
     assert "no checkpoints" in cli("stats", "-r", repo, "nope", code=4).output
 
 

@@ -45,4 +45,5 @@ ARTIFACTS_KIND = Kind(
     name="artifact", root=ARTIFACTS, series_noun="artifact", number_noun="version",
     manifest_key=artifact_manifest_key, scan=_scan, parse=_parse, pin_key=artifact_pin_key,
     check_series=check_artifact, companions=_companions, marker="_artifacts/", inputs=_parents,
+    manifest_noun="version",
 )

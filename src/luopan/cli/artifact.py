@@ -1,5 +1,6 @@
-"""``luopan artifact commit|ls|log|checkout|verify|pin|unpin|prune`` (status and diff: cli.folders) and ``luopan lineage``: versioned files and
-directories (datasets, eval outputs) in the same repository as the checkpoints."""
+"""``luopan artifact commit|ls|log|checkout|verify|pin|unpin|prune``: versioned files and directories (datasets,
+eval outputs) in the same repository as the checkpoints (``artifact status|diff``: luopan.cli.folders; ``luopan
+lineage``: luopan.cli.lineage)."""
 
 from __future__ import annotations
 
@@ -336,39 +337,3 @@ def prune(
     rules = rules_from_flags(keep_last=keep_last, keep_every=keep_every, keep_tag=keep_tag)
     decided = r.artifact(name).prune(rules, dry_run=dry_run)
     print_plan(decided, "artifact", name, dry_run, as_json)
-
-
-@app.command()
-@opens_repo
-def lineage(
-    *,
-    r: Repo,
-    ref: Annotated[str, typer.Argument(metavar="NAME@V", help="An artifact version or a checkpoint (run@step).")],
-    as_json: JsonOpt = False,
-) -> None:
-    """What NAME@V was made from, up the graph, and the checkpoints and artifact versions that used it."""
-    with usage_errors():  # what lineage refuses as invalid is the NAME@V typed (a@x): exit 2
-        lin = r.repository.lineage(ref)
-    if as_json:
-        emit_json({"ref": lin.ref, "kind": lin.kind, "parents": lin.parents, "ancestors": lin.ancestors,
-                   "edges": [list(e) for e in lin.edges], "used_by": lin.used_by, "missing": lin.missing})
-        return
-    out.print(f"{lin.ref} ({lin.kind})", highlight=False, markup=False)
-    parents: dict[str, list[str]] = {}
-    for child, parent in lin.edges:
-        parents.setdefault(child, []).append(parent)
-    shown = {lin.ref}
-    stack = [(p, 1) for p in reversed(parents.get(lin.ref, []))]  # depth first, each node's parents once
-    while stack:
-        node, depth = stack.pop()
-        gone = " (no longer in the repository)" if node in lin.missing else ""
-        again = " (shown above)" if node in shown and parents.get(node) else ""
-        out.print(f"{'  ' * min(depth, 40)}<- {node}{gone}{again}", highlight=False, markup=False)
-        if node not in shown:
-            shown.add(node)
-            stack.extend((p, depth + 1) for p in reversed(parents.get(node, [])))
-    for kind, refs in sorted(lin.used_by.items()):
-        for used in refs:
-            out.print(f"  -> {used} ({kind})", highlight=False, markup=False)
-    if not lin.edges and not lin.used_by:
-        out.print("  no recorded parents or users", highlight=False)

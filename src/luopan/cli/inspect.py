@@ -7,17 +7,16 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..artifact import artifact_names
 from ..checkpoint import CheckpointInfo, list_resumes
 from ..repo import Repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
+from ..listing import PLURAL, WORDS, describe, dedup_words, kind_counts, series_json
 from .artifact import KindOpt, is_artifact_target, print_log
 from .app import (
     DEDUP_DEFINITION,
     JsonOpt,
     app,
     dedup_ratio,
-    dedup_text,
     emit_json,
     err,
     escape,
@@ -35,6 +34,7 @@ from .app import (
 )
 from .diffview import print_diff
 from .grammar import LegacyStep, RunRef, checkpoint_ref, deprecated
+from .kinds import other_kinds_table, other_target, print_kinds, print_storage, show_other
 
 @app.command("ls")
 @opens_repo
@@ -49,8 +49,10 @@ def ls(
     kind: KindOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List runs (and artifacts), or the checkpoints of RUN with sizes, bytes newly written and dedup ratio. An
-    artifact name lists its versions (as `luopan artifact log NAME`). With --best METRIC, only RUN's best checkpoint."""
+    """List runs, artifacts, journals (a LangGraph saver's threads and checkpoints) and indexes with their sizes, or
+    the checkpoints of RUN with sizes, bytes newly written and dedup ratio. An artifact name lists its versions (as
+    `luopan artifact log NAME`); `luopan show NAME` shows a journal or index. With --best METRIC, only RUN's best
+    checkpoint."""
     if best is not None and run is None:
         raise UsageError("--best needs a run: luopan ls RUN --best METRIC[:min|max]")
     if best is not None:
@@ -66,17 +68,16 @@ def ls(
                          "latest_step": last.step if last else None, "latest_time": last.created if last else "",
                          "logical_bytes": sum(c.logical_bytes for c in cps),
                          "stored_bytes": sum(c.stored_bytes for c in cps)})
-        artifacts = [{"artifact": n, "versions": len(r.artifact(n).numbers())} for n in artifact_names(r)]
+        others = describe(r, tuple(k for k in r.kinds if k.name != "checkpoint")).series
         if as_json:
-            emit_json({"runs": rows, "artifacts": artifacts})
+            by_kind: dict[str, list[dict[str, Any]]] = {"artifacts": [], "journals": [], "indexes": []}
+            for s in others:
+                noun, word = WORDS[s.kind]
+                by_kind[PLURAL[noun]].append({noun: s.series, PLURAL[word]: len(s.numbers), **series_json(s)})
+            emit_json({"runs": rows, **by_kind})
             return
-        if artifacts:
-            out.print(f"{len(artifacts)} artifact(s): "
-                      + ", ".join(f"{a['artifact']} ({a['versions']} version(s))" for a in artifacts[:20])
-                      + (" …" if len(artifacts) > 20 else "") + " — `luopan artifact ls` for details",
-                      highlight=False, markup=False)
-        if not rows:
-            out.print("no checkpoints yet")
+        if not rows and not others:
+            out.print("nothing stored yet: no checkpoints, artifacts, journals or indexes")
             return
         t = table(title=f"runs in {r.store.describe()}")
         for col in ("run", "checkpoints", "latest step", "latest time", "logical", "stored"):
@@ -85,7 +86,10 @@ def ls(
             count = str(row["checkpoints"]) + (f" (+{row['damaged']} damaged)" if row["damaged"] else "")
             t.add_row(row["run"], count, str(row["latest_step"]), row["latest_time"][:19],
                       human(row["logical_bytes"]), human(row["stored_bytes"]))
-        out.print(t)
+        if rows:
+            out.print(t)
+        if others:
+            other_kinds_table(others, f"artifacts, journals and indexes in {r.store.describe()}")
         return
     if is_artifact_target(r, run, kind):
         print_log(r, run, as_json)
@@ -171,7 +175,13 @@ def show(
     as_json: JsonOpt = False,
 ) -> None:
     """Show one checkpoint: metadata, environment, code version and every entry. Without @STEP, also the run's
-    record (config, command line, packages, git commit and diff, environment with secrets redacted) and evals."""
+    record (config, command line, packages, git commit and diff, environment with secrets redacted) and evals. An
+    artifact, journal or index NAME[@V] (no run of that name) is shown in its own words: what it holds (a LangGraph
+    journal's threads and checkpoints), its sizes and its versions or snapshots."""
+    other = other_target(r, ref) if legacy_step is None else None
+    if other is not None:  # an artifact, journal or index: shown in its own words
+        show_other(r, *other, as_json)
+        return
     run, step = checkpoint_ref(ref, legacy_step, "show", quiet=as_json)
     m = r.manifest(run, step)
     doc = m.doc
@@ -305,19 +315,21 @@ def _step(text: str) -> int:
         raise UsageError(f"a step is a number, got {text!r}") from None
 
 
-@app.command(help="Logical size of all checkpoints and artifact versions (every kind of manifest) vs the bytes they "
-             "take as stored, and the size on storage. " + DEDUP_DEFINITION + " `luopan stats` uses the same "
-             "definition for checkpoints.")
+@app.command(help="Logical size of every kind of manifest (checkpoints, artifact versions, journal snapshots, index "
+             "versions) vs the bytes they take as stored, each kind's share, and the size on storage (journals' and "
+             "indexes' logs apart). " + DEDUP_DEFINITION + " `luopan stats` shows the same totals.")
 @opens_repo
 def du(*, r: Repo, as_json: JsonOpt = False) -> None:
     report_strays(r)
-    d = r.du()
+    h = describe(r)
+    d = h.totals
     ratio = dedup_ratio(d["logical_bytes"], d["stored_bytes"])
     if as_json:
-        emit_json({**d, "dedup_ratio": ratio})
+        emit_json({**d, "dedup_ratio": ratio, "kinds": h.kinds, "series": [series_json(s) for s in h.series]})
         return
-    arts = f" and {d['artifacts']} artifact version(s)" if d.get("artifacts") else ""
-    out.print(f"{d['checkpoints']} checkpoint(s){arts}: {human(d['logical_bytes'])} logical, "
-              f"{human(d['stored_bytes'])} stored in {d['chunks']} distinct chunk(s) ({dedup_text(ratio)} dedup)")
-    out.print(f"on storage: {human(d['physical_bytes'])} (packs {human(d['pack_bytes'])}, index "
-              f"{human(d['index_bytes'])}, manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])})")
+    out.print(f"{kind_counts(h)}: {human(d['logical_bytes'])} logical, {human(d['stored_bytes'])} stored in "
+              f"{d['chunks']} distinct chunk(s) ({dedup_words(d['logical_bytes'], d['stored_bytes'])})",
+              highlight=False, markup=False)
+    print_storage(d)
+    if len(h.kinds) > 1:
+        print_kinds(h)

@@ -1,7 +1,8 @@
 """``luopan`` CLI entry point: the app (luopan.cli.app) with every command module registered on it.
 
 Commands by concern: inspect (ls, show, diff, du), read (verify, export), maintain (init, prune, pin, unpin, gc,
-locks, unlock), artifact (artifact commit/ls/log/checkout/verify/pin/unpin/prune, lineage), folders (artifact status/diff), tier (replicate,
+locks, unlock), artifact (artifact commit/ls/log/checkout/verify/pin/unpin/prune), folders (artifact status/diff),
+lineage (show, link), tier (replicate,
 cold), plan, keys (key gen, sign). The repository comes from ``-r/--repo`` (before or after the command)
 or ``LUOPAN_REPO``. Exit codes: luopan.cli.app.EXIT_CODES.
 """
@@ -15,6 +16,7 @@ from . import index  # noqa: F401,I001  (luopan index ls|rollback)
 from . import doctor  # noqa: F401,I001  (luopan doctor)
 from . import stats  # noqa: F401,I001  (luopan stats|check|rm|latest)
 from . import report  # noqa: F401,I001  (luopan report)
+from . import lineage  # noqa: F401,I001  (luopan lineage [show] NAME@V, lineage link RUN@STEP NAME@V)
 from .app import app
 
 

@@ -61,7 +61,8 @@ def report(
             return
         out.print(f"wrote {escape(summary['path'])}: {summary['runs']} run(s), {summary['checkpoints']} "
                   f"checkpoint(s), {summary['pruned']} pruned, {summary['artifact_versions']} artifact version(s), "
-                  f"{summary['charts']} chart(s)", highlight=False)
+                  f"{summary['journals']} journal(s), {summary['indexes']} index(es), {summary['charts']} chart(s)",
+                  highlight=False)
         return
     server = ReportServer(lambda: open_repo(location), targets, port=port)  # opened once, at the first request
     if as_json:

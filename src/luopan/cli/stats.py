@@ -14,6 +14,7 @@ from ..checkpoint import check as check_repo
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError, UsageError
 from ..format.names import check_run
 from ..repo import Repo
+from ..listing import dedup_words, describe, kind_counts, series_json
 from ..repository.verify import manifest_chunk_refs
 from .app import (
     DEDUP_DEFINITION,
@@ -32,13 +33,15 @@ from .app import (
     table,
 )
 from .grammar import RUN_REF, checkpoint_ref
+from .kinds import other_kinds_table, print_kinds, print_storage
 
 
-@app.command(help="Checkpoints, logical size (what restoring them all would write), stored size (the distinct chunks "
-             "they reference, as stored: compressed), dedup ratio, a per-run breakdown (with the bytes only that run "
-             "references: what `luopan rm RUN` then `luopan gc` would free) and the largest entries of each run's "
-             "newest checkpoint. " + DEDUP_DEFINITION + " `luopan du` uses the same definition over every kind of "
-             "manifest (artifact versions too).")
+@app.command(help="What the repository holds, every kind (checkpoints, artifact versions, journals with a LangGraph "
+             "saver's threads and checkpoints, index versions): logical size (what restoring them all would write), "
+             "stored size (the distinct chunks they reference, as stored: compressed), dedup ratio — the totals "
+             "`luopan du` shows —, a per-kind and a per-run breakdown (with the bytes only that run references: what "
+             "`luopan rm RUN` then `luopan gc` would free), the other kinds' series, and the largest entries of each "
+             "run's newest checkpoint. With RUN, that run's checkpoints only. " + DEDUP_DEFINITION)
 @opens_repo
 def stats(
     *,
@@ -99,23 +102,30 @@ def stats(
                            "logical_bytes": logical, "stored_bytes": stored, "chunks": len(selected),
                            "dedup_ratio": dedup_ratio(logical, stored),
                            "runs": per_run, "largest_entries": largest, "damaged": damaged}
-    if run is None:
-        d = r.du()
-        doc["repository"] = {**d, "dedup_ratio": dedup_ratio(d["logical_bytes"], d["stored_bytes"])}
+    if run is None:  # the whole repository: every kind, the totals `du` shows (one walk, repository.usage)
+        h = describe(r)
+        d = h.totals
+        doc.update({"logical_bytes": d["logical_bytes"], "stored_bytes": d["stored_bytes"], "chunks": d["chunks"],
+                    "dedup_ratio": dedup_ratio(d["logical_bytes"], d["stored_bytes"]), "kinds": h.kinds,
+                    "series": [series_json(s) for s in h.series if s.kind != "checkpoint"]})
+        doc["repository"] = {**d, "dedup_ratio": doc["dedup_ratio"]}
+        only = {s.series: s.exclusive_bytes for s in h.series if s.kind == "checkpoint"}
+        for row in per_run:  # what `rm RUN` then `gc` frees: chunks no other series of any kind references
+            row["exclusive_bytes"] = only.get(row["run"], row["exclusive_bytes"])
+        logical, stored, selected = d["logical_bytes"], d["stored_bytes"], range(d["chunks"])
     if as_json:
         emit_json(doc)
         if damaged:
             raise typer.Exit(3)
         return
-    what = f"run {run}" if run is not None else r.store.describe()
-    out.print(f"{what}: {doc['checkpoints']} checkpoint(s), {human(logical)} logical, {human(stored)} stored in "
-              f"{len(selected)} distinct chunk(s) ({dedup_text(doc['dedup_ratio'])} dedup)",
-              highlight=False, markup=False)
+    what = f"run {run}: {doc['checkpoints']} checkpoint(s)" if run is not None else \
+        f"{r.store.describe()}: {kind_counts(h)}"
+    out.print(f"{what}, {human(logical)} logical, {human(stored)} stored in {len(selected)} distinct chunk(s) "
+              f"({dedup_words(logical, stored)})", highlight=False, markup=False)
     if run is None:
-        d = doc["repository"]
-        out.print(f"on storage: {human(d['physical_bytes'])} (packs {human(d['pack_bytes'])}, index "
-                  f"{human(d['index_bytes'])}, manifests {human(d['manifest_bytes'])}, refs {human(d['ref_bytes'])})"
-                  + (f"; {d['artifacts']} artifact version(s)" if d.get("artifacts") else ""), highlight=False)
+        print_storage(doc["repository"])
+        if len(h.kinds) > 1:
+            print_kinds(h)
     if per_run:
         t = table(title="per run")
         for col in ("run", "checkpoints", "latest step", "logical", "stored", "only this run", "dedup"):
@@ -125,6 +135,9 @@ def stats(
                       human(row["logical_bytes"]), human(row["stored_bytes"]), human(row["exclusive_bytes"]),
                       dedup_text(row["dedup_ratio"]))
         out.print(t)
+    others = [s for s in h.series if s.kind != "checkpoint"] if run is None else []
+    if others:
+        other_kinds_table(others, "artifacts, journals and indexes")
     if largest:
         t = table(title="largest entries (newest checkpoint of each run)")
         for col in ("run", "step", "entry", "dtype", "shape", "bytes"):

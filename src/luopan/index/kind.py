@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..format.limits import MAX_SMALL_BYTES
-from ..repository.kinds import Catalog, Kind, scan_numbered
+from ..repository.kinds import Catalog, Kind, log_sizes, scan_numbered
 from ..store.base import KeyNotFound, Store
 from .manifest import parse_current, parse_index_manifest
 from .names import (
@@ -42,6 +42,18 @@ def _scan(store: Store, name: str | None, strays: bool) -> Catalog:
     return scan(store, name, strays)
 
 
+def _series_of_log(parts: list[str]) -> str | None:
+    for i in range(2, len(parts) - 1):
+        if parts[i] == LOG_DIR and is_index_name("/".join(parts[1:i])):
+            return "/".join(parts[1:i])
+    return None
+
+
+def _logs(store: Store) -> dict[str, int]:
+    """index name -> bytes of its op log's files (§17.5)."""
+    return log_sizes(store, INDEXES, _series_of_log)
+
+
 def _parse(data: bytes, key: str, name: str | None, version: int | None, _store: object = None) -> dict[str, Any]:
     return parse_index_manifest(data, key, name, version)
 
@@ -64,5 +76,5 @@ INDEX_KIND = Kind(
     name="index", root=INDEXES, series_noun="index", number_noun="version",
     manifest_key=index_manifest_key, scan=_scan, parse=_parse, pin_key=index_pin_key,
     check_series=check_index, companions=_companions, marker="_indexes/", inputs=lambda doc: [],
-    protected=_live, plural="indexes",
+    protected=_live, plural="indexes", manifest_noun="version", logs=_logs,
 )

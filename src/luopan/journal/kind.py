@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..format.limits import MAX_SMALL_BYTES
-from ..repository.kinds import Catalog, Kind, scan_numbered
+from ..repository.kinds import Catalog, Kind, log_sizes, scan_numbered
 from ..store.base import Store
 from .manifest import parse_snapshot_manifest
 from .names import (
@@ -34,6 +34,11 @@ def scan(store: Store, name: str | None, strays: bool) -> Catalog:
                          what="a journal snapshot manifest (journals/<name>/_v/<seq:08d>.json) or log file")
 
 
+def _logs(store: Store) -> dict[str, int]:
+    """journal name -> bytes of its live log's files (segments, LOCK, DURABLE)."""
+    return log_sizes(store, JOURNALS, lambda parts: parts[1] if _in_log(parts) else None)
+
+
 def _parse(data: bytes, key: str, name: str | None, seq: int | None, _store: object = None) -> dict[str, Any]:
     return parse_snapshot_manifest(data, key, name, seq)
 
@@ -46,4 +51,5 @@ JOURNAL_KIND = Kind(
     name="journal", root=JOURNALS, series_noun="journal", number_noun="seq",
     manifest_key=snapshot_key, scan=scan, parse=_parse, pin_key=snapshot_pin_key,
     check_series=check_journal, companions=_companions, marker="_journals/", inputs=lambda _doc: [],
+    manifest_noun="snapshot", logs=_logs,
 )

@@ -14,6 +14,8 @@ from ..errors import IntegrityError, LuopanError, StorageError, UnsupportedForma
 from ..format.limits import MAX_SMALL_BYTES
 from ..format.names import latest_ref_key
 from ..format.refs import parse_ref
+from ..listing import describe, series_json
+from ..repository.links import all_links
 from ..store.base import KeyNotFound
 from .logged import config_of, logged_metrics
 
@@ -120,6 +122,8 @@ class ReportData:
     edges: list[tuple[str, str]]  # (parent ref, child ref) of every lineage edge among what was read
     selected: bool  # targets were named (a part of the repository)
     resumes_available: bool
+    # every series of every kind in its own words (luopan.listing.series_json): a LangGraph journal's threads too
+    holdings: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _seconds(v: Any) -> float | None:
@@ -356,6 +360,16 @@ def gather(repo: Any, targets: list[str] | None = None) -> ReportData:
     artifacts = {n: gather_artifact(repo, n) for n in art_names}
     journals = {} if selected else gather_journals(repo)
     indexes = {} if selected else gather_indexes(repo)
-    du = None if selected else _safe(repo.du, None)
-    return ReportData(repo.where, repo.tier is not None, runs, artifacts, journals, indexes, du,
-                      lineage_edges(runs, artifacts), selected, list_resumes is not None)
+    listed = None if selected else _safe(lambda: describe(repo), None)  # the walk `du` and `stats` share
+    return ReportData(repo.where, repo.tier is not None, runs, artifacts, journals, indexes,
+                      None if listed is None else listed.totals,
+                      lineage_edges(runs, artifacts) + _linked_edges(repo, runs), selected, list_resumes is not None,
+                      [] if listed is None else [series_json(s) for s in listed.series])
+
+
+def _linked_edges(repo: Any, runs: list[RunData]) -> list[tuple[str, str]]:
+    """(input, checkpoint) of the inputs linked to the checkpoints read afterwards (docs/format.md §9.4)."""
+    created = {c.ref: c.created for r in runs for c in r.checkpoints}
+    links = _safe(lambda: all_links(repo.repository), {})
+    return [(i, f"{s}@{n}") for (k, s, n), pairs in sorted(links.items()) if k == "checkpoint"
+            for of, i in pairs if created.get(f"{s}@{n}") == of]

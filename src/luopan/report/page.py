@@ -162,7 +162,8 @@ def summary(data: ReportData, page: str) -> dict[str, Any]:
     return {"runs": len(data.runs), "checkpoints": sum(len(r.checkpoints) for r in data.runs),
             "pruned": sum(len(r.pruned) for r in data.runs), "damaged": sum(len(r.damaged) for r in data.runs),
             "artifacts": len(data.artifacts), "artifact_versions": sum(len(v) for v in data.artifacts.values()),
-            "journals": len(data.journals), "indexes": len(data.indexes),
+            "journals": len(set(data.journals) | {h["name"] for h in data.holdings if h["kind"] == "journal"}),
+            "indexes": len(set(data.indexes) | {h["name"] for h in data.holdings if h["kind"] == "index"}),
             "charts": page.count('<svg class="chart'), "bytes": len(page.encode())}
 
 

@@ -18,25 +18,46 @@ def overview(data: ReportData, storage: Storage) -> str:
     bits = [f"{len(data.runs)} run(s), {cps} checkpoint(s)"]
     if data.artifacts:
         bits.append(f"{len(data.artifacts)} artifact(s), {sum(len(v) for v in data.artifacts.values())} version(s)")
-    if data.journals:
-        bits.append(f"{len(data.journals)} journal(s)")
-    if data.indexes:
-        bits.append(f"{len(data.indexes)} vector index(es)")
-    out = para(", ".join(bits) + ".")
+    held = {(h["kind"], h["name"]): h for h in data.holdings}
+    journals = sorted(set(data.journals) | {n for k, n in held if k == "journal"})
+    indexes = sorted(set(data.indexes) | {n for k, n in held if k == "index"})
+    if journals:
+        graphs = [held[("journal", n)] for n in journals if "threads" in held.get(("journal", n), {}).get("contents", {})]
+        threads = sum(h["contents"]["threads"] for h in graphs)
+        agents = sum(h["contents"].get("checkpoints", 0) for h in graphs)
+        bits.append(f"{len(journals)} journal(s)" + (f" ({len(graphs)} LangGraph: {threads} thread(s), {agents} "
+                                                     "checkpoint(s))" if graphs else ""))
+    if indexes:
+        bits.append(f"{len(indexes)} vector index(es)")
+    out = para(", ".join(bits) + "." if data.runs or data.artifacts or journals or indexes or data.selected
+               else "Nothing stored yet: no runs, artifacts, journals or indexes.")
     logical = sum(s.logical for s in storage.saves)
     written = sum(s.stored for s in storage.saves)
     if storage.saves:
-        ratio = f"{logical / written:.1f}×" if written else "∞"
-        out += para(f"Saves shown: {size(logical)} logical, {size(written)} written ({ratio} smaller than "
-                      "full saves).")
+        ratio = (f"{logical / written:.1f}× smaller than full saves" if written else
+                 "every byte reused from earlier saves" if logical else "nothing to store")
+        out += para(f"Saves shown: {size(logical)} logical, {size(written)} written ({ratio}).")
     if data.du:
         d = data.du
         out += para(f"On storage now: {size(d['physical_bytes'])} (packs {size(d['pack_bytes'])}, index "
-                      f"{size(d['index_bytes'])}, manifests {size(d['manifest_bytes'])}, refs "
-                      f"{size(d['ref_bytes'])}).")
+                      f"{size(d['index_bytes'])}, manifests {size(d['manifest_bytes'])}"
+                      + (f", journal and index logs {size(d['log_bytes'])}" if d.get("log_bytes") else "")
+                      + f", refs {size(d['ref_bytes'])}).")
+    out += holdings_table(data)
     if data.selected:
         out += para("This report covers the runs and artifacts named on the command line only.", "muted")
     return section("Repository", out, cls="overview")
+
+
+def holdings_table(data: ReportData) -> str:
+    """Every series of every kind in its own words, with its sizes (luopan.listing)."""
+    if not data.holdings:
+        return ""
+    rows = [(h["type"], h["name"], h["holds"], "" if h["latest"] is None else h["latest"], size(h["logical_bytes"]),
+             size(h["stored_bytes"]), size(h["exclusive_bytes"]), size(h["log_bytes"]) if h["log_bytes"] else "")
+            for h in data.holdings]
+    return table(("kind", "name", "holds", "latest", "logical", "stored", "only this", "log"), rows,
+                 caption="what the repository holds", cls="holdings", collapsed=False)
 
 
 def cumulative_chart(storage: Storage) -> str:

@@ -26,6 +26,7 @@ from ..format.pack import BlobLocation
 from ..store.base import KeyNotFound, Store
 from .kinds import Kind, TierLike
 from .lineage import Lineage, lineage
+from .links import add_links
 from .locks import DEFAULT_TIMEOUT
 from .preflight import DEFAULT_SPACE_MARGIN
 from .chunkwriter import ChunkWriter
@@ -201,6 +202,11 @@ class Repository:
         """What ``ref`` ("datasets/train@2", "run-a@100") was made from, up the graph, and what names it (checkpoints
         saved with ``inputs=[ref]``, artifact versions committed with ``parents=[ref]``)."""
         return lineage(self, ref)
+
+    def link_inputs(self, kind: Kind, series: str, number: int, inputs: list[str]) -> list[str]:
+        """Record ``inputs`` ("NAME@V") as inputs of ``number`` of ``series`` afterwards, never rewriting its
+        manifest (docs/format.md §9.4); returns those newly linked (idempotent). See luopan.repository.links."""
+        return add_links(self, kind, series, number, inputs)
 
     def read_manifest(self, kind: Kind, series: str, number: int) -> dict[str, Any]:
         key = kind.manifest_key(series, number)

@@ -50,6 +50,7 @@ from ..store.base import KeyNotFound, Store
 from .gcreport import GcReport
 from .kinds import Opened
 from .marking import Marked, Marks, Rows, full_doc, live_rows, mark
+from .links import stale_links
 from .locks import locked
 from .repack import relocated, repack, trailer_blobs
 
@@ -160,6 +161,11 @@ def _collect(store: Store, repo: Opened, grace: float, repack_below: float, dry_
     # -- 5. sweep -------------------------------------------------------------------------------------------------
     _sweep(store, marks, condemned, due, grace, dry_run, report, say)
     clock.phase("sweep")
+    # -- 6. lineage links of removed manifests (§9.4): under the exclusive lock, so no link is being added --------
+    for key in stale_links(repo):
+        if not dry_run:
+            store.delete(key)
+        report.dropped_links += 1
     crashpoint("gc.done")
     return report
 

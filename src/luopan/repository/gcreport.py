@@ -35,6 +35,7 @@ class GcReport:
     # committed manifests that cannot be loaded as they are (a file name the name rule refuses, written by an older
     # luopan), each with why: what they reference is known, so it is kept and never repacked
     unloadable_manifests: list[str] = field(default_factory=list)
+    dropped_links: int = 0  # lineage links (§9.4) whose manifest is gone or was replaced, deleted
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall time
 
     def to_json(self) -> dict[str, Any]:

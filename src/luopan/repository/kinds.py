@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from ..format.config import RepoConfig
 from ..format.manifest import manifest_rows
 from ..format.names import step_from_manifest_key
-from ..store.base import Store, Stray
+from ..store.base import KeyNotFound, Store, Stray
 
 
 @dataclass
@@ -77,11 +77,21 @@ class Kind:
     # entry groups, §8.5: its ``entries`` are then the inline ones; format.groups.GroupMemo reads the groups once
     # each): how gc marks many manifests. None: ``parse`` (the kind stores nothing apart).
     shallow: Callable[..., dict[str, Any]] | None = None
+    # What one manifest is called in listings ("checkpoint", "version", "snapshot"); default: the kind's name
+    manifest_noun: str = ""
+    # (store) -> series -> bytes it keeps outside its manifests (a journal's or an index's log, §16.1, §17.5): a
+    # series with a log and no manifest yet (a journal never compacted) is listed too. None: the kind has no logs.
+    logs: Callable[[Store], dict[str, int]] | None = None
 
     @property
     def count_key(self) -> str:
         """du's key for how many manifests of this kind there are ("checkpoints", "artifacts", "indexes")."""
         return self.plural or f"{self.name}s"
+
+    @property
+    def noun(self) -> str:
+        """What one manifest of this kind is called in listings."""
+        return self.manifest_noun or self.name
 
     def label(self, series: str, number: int) -> str:
         return f"{self.series_noun} {series!r} {self.number_noun} {number}"
@@ -123,6 +133,20 @@ def scan_numbered(store: Store, root: str, name: str | None, strays: bool, *, is
         cat.strays.extend(s for s in found if not own(s.key.split("/")))
         cat.strays.sort(key=lambda s: s.key)
     return cat
+
+
+def log_sizes(store: Store, root: str, series_of: Callable[[list[str]], str | None]) -> dict[str, int]:
+    """series -> bytes of the files under ``root`` that ``series_of(key parts)`` says are that series' log."""
+    out: dict[str, int] = {}
+    for key in store.list(root):
+        series = series_of(key.split("/"))
+        if series is None:
+            continue
+        try:
+            out[series] = out.get(series, 0) + store.size(key)
+        except (KeyNotFound, OSError):
+            continue  # gone since the listing (a compaction), or unreadable: `verify` names what matters
+    return out
 
 
 def rows_by_pack(doc: dict[str, Any]) -> dict[str, dict[str, tuple[int, int, int, str]]]:

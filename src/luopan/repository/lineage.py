@@ -1,5 +1,6 @@
 """Lineage across kinds: what a manifest was made from (an artifact version's parents, a checkpoint's inputs), up the
-graph, and what was made from it (docs/format.md §8.2)."""
+graph, and what was made from it (docs/format.md §8.2). A manifest's inputs are its own and those linked to it
+afterwards (§9.4, luopan.repository.links)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError
 from ..store.base import KeyNotFound
 from .kinds import Opened
+from .links import all_links
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class Lineage:
     edges: list[tuple[str, str]]  # (child, parent) of every edge up the graph
     used_by: dict[str, list[str]] = field(default_factory=dict)  # kind -> references naming it directly
     missing: list[str] = field(default_factory=list)  # ancestors named but no longer in the repository
+    linked: list[str] = field(default_factory=list)  # those of ``parents`` linked afterwards (§9.4), not in its manifest
 
     @property
     def checkpoints(self) -> list[str]:
@@ -39,14 +42,19 @@ def lineage(repo: Opened, text: str) -> Lineage:
     kind, series, number = repo.resolve(text, "reference")
     ref = kind.ref(series, number)
     inputs: dict[str, list[str]] = {}  # every manifest's ref -> what it names
+    linked_of: dict[str, list[str]] = {}  # every manifest's ref -> what was linked to it (§9.4)
     kinds_of: dict[str, str] = {}
+    links = all_links(repo)
     for k in repo.kinds:
         for s, n in k.scan(repo.store, None, False).pairs():
             try:
                 doc = repo.read_manifest(k, s, n)
             except (KeyNotFound, IntegrityError, StorageError, UnsupportedFormatError):
                 continue  # `luopan verify` names a damaged manifest; lineage shows what can be read
-            inputs[k.ref(s, n)] = k.inputs(doc)
+            own = k.inputs(doc)
+            linked = [i for of, i in links.get((k.name, s, n), []) if of == doc.get("created", "") and i not in own]
+            linked_of[k.ref(s, n)] = list(dict.fromkeys(linked))
+            inputs[k.ref(s, n)] = own + linked_of[k.ref(s, n)]
             kinds_of[k.ref(s, n)] = k.name
     ancestors: list[str] = []
     edges: list[tuple[str, str]] = []
@@ -69,4 +77,5 @@ def lineage(repo: Opened, text: str) -> Lineage:
     for other, named in sorted(inputs.items()):
         if ref in named:
             used_by.setdefault(kinds_of[other], []).append(other)
-    return Lineage(ref, kind.name, list(inputs.get(ref, [])), ancestors, edges, used_by, missing)
+    return Lineage(ref, kind.name, list(inputs.get(ref, [])), ancestors, edges, used_by, missing,
+                   linked_of.get(ref, []))

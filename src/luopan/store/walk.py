@@ -49,6 +49,7 @@ KEY_DIRS = (
     "artifacts/+/_v", "journals/*/log", "journals/*/_v", "indexes/+/log", "indexes/+/_v",
     "refs/runs/*", "refs/pins/*", "refs/pins/_artifacts/+", "refs/pins/_journals/*", "refs/pins/_indexes/+",
     "refs/indexes/+", "refs/signatures/*/*",
+    "refs/links/*/*", "refs/links/_artifacts/+/*", "refs/links/_journals/*/*", "refs/links/_indexes/+/*",
     "tier/*/*", "tier/*/_artifacts/+", "tier/*/_journals/*", "tier/*/_indexes/+",
 )
 _PATTERNS = tuple(tuple(p.split("/")) for p in KEY_DIRS)

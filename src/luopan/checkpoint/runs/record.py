@@ -254,6 +254,21 @@ class Run:
             raise CheckpointNotFoundError(f"run {self.name!r} has no eval at step {step}; it has: "
                                           f"{self.evals() or 'none'}") from None
 
+    # -- lineage (docs/format.md §8.2, §9.4) -----------------------------------------------------------------------
+    def link_inputs(self, step: int, inputs: list[str]) -> list[str]:
+        """Record ``inputs`` (artifact versions or checkpoints, "NAME@V") as what checkpoint ``step`` was made from,
+        after it was saved — as ``repo.save(..., inputs=...)`` would have, without rewriting its manifest (a link file
+        beside it, docs/format.md §9.4; ``luopan lineage link RUN@STEP NAME@V``). ``repo.repository.lineage`` and
+        ``luopan lineage`` then list them with the manifest's own inputs. Returns the inputs newly linked: linking one
+        again, or one the manifest already names, changes nothing. CheckpointNotFoundError when the checkpoint does
+        not exist, ManifestNotFoundError when an input does not (nothing written). ``luopan gc`` drops the links of
+        a removed checkpoint."""
+        step = check_step(step)
+        if not self.repo.store.exists(CHECKPOINTS.manifest_key(self.name, step)):
+            raise CheckpointNotFoundError(f"run {self.name!r} has no checkpoint at step {step}, so no input can be "
+                                          f"linked to it (see `luopan ls {self.name}`)")
+        return self.repo.repository.link_inputs(CHECKPOINTS, self.name, step, inputs)
+
     # -- pins (docs/format.md §9.1): pinned checkpoints are never removed by prune --------------------------------
     def pin(self, step: int, tag: str | None = None) -> None:
         """Protect checkpoint ``step`` from pruning (optionally with a tag, e.g. "release-1")."""
