@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..checkpoint.changes import run_config
-from ..checkpoint.runs.journals import METRICS, journal_name
+from ..checkpoint import metrics_journal, run_config
 from ..errors import LuopanError
 
 # More logged points than this per metric and run are thinned to every k-th (the last and every checkpoint's kept):
@@ -23,7 +22,7 @@ def logged_metrics(repo: Any, run: str) -> dict[str, list[tuple[int, float]]]:
     several times counts with its last value (§16.4). Only finite numbers; {} when the run has no metrics journal
     (saved with ``repo.save`` alone) or it cannot be read."""
     try:
-        journal = repo.journal(journal_name(METRICS, run), read_only=True)
+        journal = repo.journal(metrics_journal(run), read_only=True)
     except (FileNotFoundError, LuopanError, OSError):  # none, not a local repository, or damaged
         return {}
     by_step: dict[int, dict[str, float]] = {}

@@ -13,3 +13,8 @@ def journal_name(prefix: str, run: str) -> str:
     characters, ``-`` and 16 hex digits of the BLAKE3 of the run name."""
     name = prefix + run
     return name if len(name) <= 128 else f"{prefix}{run[:100]}-{blake3.blake3(run.encode()).hexdigest()[:16]}"
+
+
+def metrics_journal(run: str) -> str:
+    """The name of the journal holding ``run``'s per-step metrics (``CheckpointManager.log``, the resume check)."""
+    return journal_name(METRICS, run)
