@@ -186,6 +186,14 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
                                          100)
     if heading.startswith("## 14."):
         return check_signature_object
+    if heading.startswith("### 9.4"):
+        from luopan.repository.links import link_key_tail, parse_link
+
+        def check_link(d: dict) -> None:
+            got = parse_link(sealed(d), "refs/links/run-a/00000100/" + link_key_tail(d["input"]) + ".json")
+            assert (got["input"], got["ref"], got["kind"]) == ("datasets/train@2", "run-a@100", "checkpoint")
+
+        return check_link
     if heading.startswith("### 9.2"):
         return lambda d: parse_lock("locks/shared-0123456789abcdef.json", sealed(d))
     if heading.startswith("### 10.2"):
@@ -283,7 +291,7 @@ SAMPLES = samples()
 
 def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
-    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2", "### 9.3",
+    for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2", "### 9.3", "### 9.4",
                     "### 10.2", "### 10.3", "### 10.5", "### 13.2",
                     "### 15.2", "### 15.4", "### 16.3", "### 17.2", "### 17.4", "### 17.7"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
