@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..format import ENGINE2_FORMAT_VERSION
 from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, UnreadableError, UsageError
 from ..format.names import check_run, check_step, manifest_key, signatures_prefix
 from ..repository.locks import locked
@@ -14,6 +15,7 @@ from ..repository.logcheck import log_problems
 from ..repository.structure import verify_structure
 from ..repository.verify import index_problems, raise_problems, verify_manifests
 from ..repository.pruning import prune_series
+from ..repository.reclaim import manifest_packs, reclaim as reclaim_packs
 from ..retention import Plan, Rules
 from .._compat import deprecated_alias
 from ..signing import SigningKey, TrustedKeys, load_signing_key
@@ -110,8 +112,9 @@ class Maintaining(Saving, Reading):
         signing_key = key if isinstance(key, SigningKey) else load_signing_key(key)
         return signatures.sign(self.store, self.manifest(run, step), signing_key)
 
-    def delete(self, run: str, step: int) -> bool:
-        """Remove checkpoint ``step`` of ``run`` now (its manifest; the chunks only it used go at the next gc).
+    def delete(self, run: str, step: int, *, reclaim: bool = False) -> bool:
+        """Remove checkpoint ``step`` of ``run`` now (its manifest; the chunks only it used go at the next gc, or at
+        once with ``reclaim=True``: the packs it named that no other manifest names, docs/format.md §10.3a).
         A pinned checkpoint is refused (UsageError: unpin it first). Returns whether it existed."""
         check_run(run)
         step = check_step(step)
@@ -126,8 +129,15 @@ class Maintaining(Saving, Reading):
             for sig in list(self.store.list(signatures_prefix(run, step))):  # they sign content that is going
                 self.store.delete(sig)
             # the latest ref moves off it first (to the newest remaining checkpoint, or goes): never dangling
+            # packs to reclaim: read before the manifest goes (a tiered repository leaves them to gc, §10.3)
+            candidates = manifest_packs(CHECKPOINTS, self.store, run, step, self.repository.pack_users) \
+                if reclaim and self.tier is None else frozenset()
             move_latest_ref(self.store, run, step, [s for s in self.steps(run) if s != step])
             self.store.delete(key)
+            if candidates:
+                self.repository.last_reclaim = reclaim_packs(
+                    self.store, self.kinds, candidates, self.repository.pack_users,
+                    compress_index=self.config.format_version >= ENGINE2_FORMAT_VERSION)
             return True
 
     def replication_status(self, run: str) -> dict[int, str]:

@@ -19,10 +19,11 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core.saving import _load_state
 
-from ._files import write_atomic, write_error
-from .errors import CheckpointExistsError, CorruptRepoError
-from .format.names import check_run, check_step
-from .repo import Repo, open as open_repo
+from .._files import write_atomic, write_error
+from ..errors import CheckpointExistsError, CorruptRepoError
+from ..format.names import check_run, check_step
+from ..repo import Repo, open as open_repo
+from .metrics import checkpoint_metrics
 
 POINTER_FORMAT = "luopan-lightning-pointer"
 
@@ -52,7 +53,8 @@ class LuopanCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` storing every checkpoint in luopan repository ``repo_or_url`` under ``run``."""
 
     def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str, *,
-                 inputs: list[str] | None = None) -> None:
+                 inputs: list[str] | None = None, reclaim: bool = True) -> None:
+        self.reclaim = reclaim  # free a rotated-out checkpoint's own packs at once (docs/format.md §10.3a)
         self.location = _location(repo_or_url)
         self.inputs = list(inputs) if inputs else None  # lineage: "NAME@V" each checkpoint was trained on (§8)
         self.run = check_run(run)
@@ -67,8 +69,7 @@ class LuopanCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         step = int(checkpoint.get("global_step", 0))
-        metrics = {k: v for k, v in (checkpoint.get("callback_metrics") or {}).items()
-                   if isinstance(v, (int, float))}
+        metrics = checkpoint_metrics(checkpoint)
         # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
         path = os.path.abspath(os.fspath(path))
         try:
@@ -122,7 +123,7 @@ class LuopanCheckpointIO(CheckpointIO):
         plugin wrote anywhere, or any in the same directory)."""
         if ptr["step"] in self._pointers.values() or _named_elsewhere(directory, ptr):
             return
-        self.repo.delete(ptr["run"], ptr["step"])
+        self.repo.delete(ptr["run"], ptr["step"], reclaim=self.reclaim)
 
     def teardown(self) -> None:
         if self._repo is not None:
