@@ -6,7 +6,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..format import ENGINE2_FORMAT_VERSION
 from ..errors import CheckpointNotFoundError, InvalidNameError, LuopanError, UnreadableError, UsageError
 from ..format.names import check_run, check_step, manifest_key, signatures_prefix
 from ..repository.locks import locked
@@ -114,7 +113,7 @@ class Maintaining(Saving, Reading):
 
     def delete(self, run: str, step: int, *, reclaim: bool = False) -> bool:
         """Remove checkpoint ``step`` of ``run`` now (its manifest; the chunks only it used go at the next gc, or at
-        once with ``reclaim=True``: the packs it named that no other manifest names, docs/format.md §10.3a).
+        once with ``reclaim=True``: the packs it named that no other manifest names, docs/format.md §10.3.1).
         A pinned checkpoint is refused (UsageError: unpin it first). Returns whether it existed."""
         check_run(run)
         step = check_step(step)
@@ -128,17 +127,35 @@ class Maintaining(Saving, Reading):
                 return False
             for sig in list(self.store.list(signatures_prefix(run, step))):  # they sign content that is going
                 self.store.delete(sig)
-            # the latest ref moves off it first (to the newest remaining checkpoint, or goes): never dangling
             # packs to reclaim: read before the manifest goes (a tiered repository leaves them to gc, §10.3)
             candidates = manifest_packs(CHECKPOINTS, self.store, run, step, self.repository.pack_users) \
                 if reclaim and self.tier is None else frozenset()
+            # the latest ref moves off it first (to the newest remaining checkpoint, or goes): never dangling
             move_latest_ref(self.store, run, step, [s for s in self.steps(run) if s != step])
             self.store.delete(key)
             if candidates:
-                self.repository.last_reclaim = reclaim_packs(
-                    self.store, self.kinds, candidates, self.repository.pack_users,
-                    compress_index=self.config.format_version >= ENGINE2_FORMAT_VERSION)
+                self._reclaim(candidates)
             return True
+
+    def packs(self, run: str, step: int) -> frozenset[str]:
+        """The pack ids checkpoint ``step`` of ``run`` names (every pack it needs, §8.5)."""
+        return manifest_packs(CHECKPOINTS, self.store, check_run(run), check_step(step), self.repository.pack_users)
+
+    def reclaim(self, packs: frozenset[str] | set[str]) -> Any:
+        """Free at once those of ``packs`` that no manifest names now (e.g. those of a checkpoint just replaced with
+        ``overwrite=True``), under the exclusive lock (docs/format.md §10.3.1); returns a Reclaimed (None: nothing
+        to do, or a tiered repository, which leaves them to gc)."""
+        self.drain()
+        if self.tier is not None or not packs:
+            return None
+        with locked(self.store, "exclusive", "reclaim", timeout=self.lock_timeout, where=self.where):
+            return self._reclaim(frozenset(packs))
+
+    def _reclaim(self, candidates: frozenset[str]) -> Any:
+        self.repository.last_reclaim = reclaim_packs(
+            self.store, self.kinds, candidates, self.repository.pack_users,
+            format_version=self.config.format_version, pack_size=self.config.pack_size)
+        return self.repository.last_reclaim
 
     def replication_status(self, run: str) -> dict[int, str]:
         """step -> "local" | "replicating" | "replicated" | "remote" (evicted locally) | "cold" of a tiered repo."""

@@ -54,7 +54,7 @@ class LuopanCheckpointIO(CheckpointIO):
 
     def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str, *,
                  inputs: list[str] | None = None, reclaim: bool = True) -> None:
-        self.reclaim = reclaim  # free a rotated-out checkpoint's own packs at once (docs/format.md §10.3a)
+        self.reclaim = reclaim  # free a rotated-out checkpoint's own packs at once (docs/format.md §10.3.1)
         self.location = _location(repo_or_url)
         self.inputs = list(inputs) if inputs else None  # lineage: "NAME@V" each checkpoint was trained on (§8)
         self.run = check_run(run)
@@ -70,7 +70,6 @@ class LuopanCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         step = int(checkpoint.get("global_step", 0))
         metrics = checkpoint_metrics(checkpoint)
-        # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
         path = os.path.abspath(os.fspath(path))
         try:
             before = read_pointer(path) if os.path.exists(path) else None
@@ -82,9 +81,14 @@ class LuopanCheckpointIO(CheckpointIO):
             raise CheckpointExistsError(
                 f"run {self.run!r} already has a checkpoint at step {step} from an earlier fit: give this branch of "
                 "training its own run (LuopanCheckpointIO(repo, 'new-run')), or delete that step first")
-        # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
+        # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state);
+        # the packs only the replaced one named (callback states that differ) are freed with it.
+        replaced = self.repo.checkpointing.packs(self.run, step) \
+            if self.reclaim and step in self._pointers.values() else frozenset()
         self.repo.save(self.run, step, checkpoint, metrics=metrics or None, overwrite=True,
                        metadata={"lightning_path": path}, inputs=self.inputs)
+        if replaced:
+            self.repo.checkpointing.reclaim(replaced - self.repo.checkpointing.packs(self.run, step))
         self._write_pointer(path, step)
         self._pointers[path] = step
         if before is not None and before["step"] != step and self._owns(before):

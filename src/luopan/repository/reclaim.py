@@ -1,4 +1,4 @@
-"""Reclaiming, at once, the packs a just-deleted manifest alone needed (docs/format.md §10.3a).
+"""Reclaiming, at once, the packs a just-deleted manifest alone needed (docs/format.md §10.3.1).
 
 ``gc`` frees space only after a full mark and a grace period; a retention loop that deletes one checkpoint per save
 (Lightning's top-k rotation) would otherwise keep every rotated-out checkpoint's bytes until someone runs it. Here
@@ -9,30 +9,41 @@ the candidates are only the packs the deleted manifest named, and they go when n
    ``packs`` (which lists every pack it needs, entry groups' too, §8.5) struck from the candidates. Each distinct
    manifest content is parsed once per process (``PackUsers``, keyed by the BLAKE3 of its bytes): a run of many
    checkpoints costs one small read per manifest, never a read of their groups or a listing of the packs;
-3. **index** — each index file naming a candidate (index files are write-once and content-named: which packs one
+3. **repack** — a candidate another manifest still names, but for less than half of its bytes (a 4-byte score
+   tensor that deduplicated into an old checkpoint's pack), has those live blobs copied to a new pack (verified),
+   an index file written for it, and each manifest naming it rewritten with the new locations (atomic replace, same
+   chunks: gc's repack of §10.3 for these packs only); then it is a candidate no manifest names;
+4. **index** — each index file naming a candidate (index files are write-once and content-named: which packs one
    names is remembered by key) is replaced by one without the candidates' rows (written first, the old one deleted
    after), so no save deduplicates against a pack about to go;
-4. **delete** the candidate packs, each deletion synced into its directory.
+5. **delete** the candidate packs, each deletion synced into its directory.
 
 A crash after any step leaves a valid repository: at worst packs no manifest needs (gc frees them), never an index
 file or a manifest naming a missing pack, because each deletion above is durable before the next step starts. Any
 doubt (a part of the repository that cannot be read, a damaged manifest) reclaims nothing and leaves it to gc.
-Crash points (``LUOPAN_CRASH_AT``): ``reclaim.index.written``, ``reclaim.index.replaced``, ``reclaim.pack`` (after
+Crash points (``LUOPAN_CRASH_AT``): ``reclaim.repack.manifest`` (after the first manifest rewrite),
+``reclaim.index.written``, ``reclaim.index.replaced``, ``reclaim.pack`` (after
 the first pack deletion).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._crash import crashpoint
 from ..errors import IntegrityError, ManifestNameError, StorageError, UnsupportedFormatError
+from ..format import ENGINE2_FORMAT_VERSION
 from ..format.canonical import digest, inflate_json, unseal
+from ..format.manifest import seal_manifest
 from ..format.index import build_index, parse_index
 from ..format.limits import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from ..format.names import index_key, is_index_key, pack_key
 from ..store.base import KeyNotFound, Store
-from .kinds import Kind
+from .gc import DEFAULT_REPACK_BELOW
+from .gcreport import GcReport
+from .kinds import Kind, rows_by_pack
+from .repack import relocated, repack
 
 _UNREADABLE = (IntegrityError, StorageError, UnsupportedFormatError)
 
@@ -44,6 +55,8 @@ class Reclaimed:
     packs: int = 0
     bytes: int = 0
     kept: int = 0  # candidate packs another manifest still needs
+    repacked: int = 0  # candidate packs whose few live blobs were moved so they could go
+    manifests_rewritten: int = 0
     index_files: int = 0  # index files rewritten without the freed packs
     skipped: str | None = None
     freed: list[str] = field(default_factory=list)
@@ -88,18 +101,27 @@ def manifest_packs(kind: Kind, store: Store, series: str, number: int, users: Pa
 
 
 def reclaim(store: Store, kinds: tuple[Kind, ...], candidates: set[str] | frozenset[str], users: PackUsers,
-            *, compress_index: bool) -> Reclaimed:
-    """Delete those of ``candidates`` (the packs of a manifest just deleted) that no manifest names now; the caller
-    holds the repository's exclusive lock. ``compress_index``: write index files as zstd frames (format 5+)."""
+            *, format_version: int, pack_size: int) -> Reclaimed:
+    """Delete those of ``candidates`` (the packs of a manifest just deleted) that no manifest names now, moving the
+    few live blobs out of those other manifests barely need; the caller holds the repository's exclusive lock."""
     result = Reclaimed()
     left = set(candidates)
     if not left:
         return result
+    namers: dict[str, list[_Namer]] = {}
     try:
-        left = _unreferenced(store, kinds, left, users)
+        left = _unreferenced(store, kinds, left, users, namers)
     except _Doubt as exc:
         result.skipped = str(exc)
         return result
+    compress_index = format_version >= ENGINE2_FORMAT_VERSION
+    dropped: set[str] = set()
+    left |= _repack_sparse(store, namers, users, result, format_version, pack_size, dropped)
+    if dropped - left:  # packs a rewritten manifest listed without naming a chunk in them: free them too
+        try:
+            left |= _unreferenced(store, kinds, dropped - left, users, {})
+        except _Doubt:
+            pass
     result.kept = len(candidates) - len(left)
     if not left:
         return result
@@ -119,11 +141,75 @@ def reclaim(store: Store, kinds: tuple[Kind, ...], candidates: set[str] | frozen
     return result
 
 
+@dataclass
+class _Namer:
+    """A manifest that names a candidate pack."""
+
+    kind: Kind
+    series: str
+    number: int
+    key: str
+    data: bytes
+
+
+def _repack_sparse(store: Store, namers: dict[str, list[_Namer]], users: PackUsers, result: Reclaimed,
+                   format_version: int, pack_size: int, dropped: set[str]) -> set[str]:
+    """Move the live blobs out of candidate packs other manifests need for under half of their bytes; returns the
+    packs no manifest names afterwards. ``dropped`` gets the packs a rewritten manifest listed and no longer lists
+    (a rewrite lists only the packs its rows name)."""
+    docs: dict[str, dict[str, Any]] = {}
+    live: dict[str, dict[str, tuple[int, int, int, str]]] = {}
+    for pack, who in namers.items():
+        rows: dict[str, tuple[int, int, int, str]] = {}
+        try:
+            for m in who:
+                if m.key not in docs:
+                    docs[m.key] = m.kind.parse(m.data, m.key, m.series, m.number, store)
+                rows.update(rows_by_pack(docs[m.key]).get(pack, {}))
+            size = store.size(pack_key(pack))
+        except (KeyNotFound, *_UNREADABLE):
+            continue
+        if rows and sum(r[1] for r in rows.values()) < DEFAULT_REPACK_BELOW * size:
+            live[pack] = rows
+    if not live:
+        return set()
+    report = GcReport(dry_run=False, grace=0)
+    moved, new_packs = repack(store, pack_size, sorted(live), live, report)
+    if not moved:
+        return set()
+    new_id, data = build_index(new_packs, compress=format_version >= ENGINE2_FORMAT_VERSION)
+    store.put_if_absent(index_key(new_id), data)  # before any manifest names the new packs (§10 rule 1)
+    users.indexes[index_key(new_id)] = frozenset(new_packs)
+    done = {old for old, _h in moved}
+    rewritten: set[str] = set()
+    for pack in sorted(done):
+        for m in namers[pack]:
+            if m.key in rewritten:
+                continue
+            doc = relocated(docs[m.key], moved)
+            if doc is None:
+                continue
+            sealed = seal_manifest(doc, compress=m.kind.name == "checkpoint" and format_version >= ENGINE2_FORMAT_VERSION)
+            store.put(m.key, sealed)  # atomic replace, synced: same chunks at their new locations
+            dropped.update(set(docs[m.key]["packs"]) - set(doc["packs"]))
+            if m.kind.rewritten is not None:
+                m.kind.rewritten(store, m.series, m.number, sealed)
+            rewritten.add(m.key)
+            if len(rewritten) == 1:
+                crashpoint("reclaim.repack.manifest")
+    result.repacked += len(done)
+    result.manifests_rewritten += len(rewritten)
+    return done
+
+
 class _Doubt(Exception):
     """Something that may name a candidate could not be read: reclaim nothing."""
 
 
-def _unreferenced(store: Store, kinds: tuple[Kind, ...], left: set[str], users: PackUsers) -> set[str]:
+def _unreferenced(store: Store, kinds: tuple[Kind, ...], left: set[str], users: PackUsers,
+                  namers: dict[str, list[_Namer]]) -> set[str]:
+    """The candidates no manifest names; ``namers`` gets, for each other one, the committed manifests naming it."""
+    shadowed: set[str] = set()
     for kind in kinds:
         cat = kind.scan(store, None, True)
         if cat.incomplete:
@@ -132,19 +218,22 @@ def _unreferenced(store: Store, kinds: tuple[Kind, ...], left: set[str], users: 
             key = kind.manifest_key(series, number)
             try:
                 data = store.get_limited(key, MAX_MANIFEST_BYTES)
-                left -= users.manifest_packs(kind, store, key, series, number, data)
+                named = left & users.manifest_packs(kind, store, key, series, number, data)
             except KeyNotFound:
                 continue
             except _UNREADABLE as exc:
                 raise _Doubt(f"{key} cannot be read ({str(exc)[:200]})") from None
-            if not left:
-                return left
+            for pack in named:
+                namers.setdefault(pack, []).append(_Namer(kind, series, number, key, data))
         for key in cat.shadows:  # a stray copy someone may rename back: what it names stays (as gc keeps it)
             try:
-                left -= users.manifest_packs(kind, store, key, None, None, store.get_limited(key, MAX_MANIFEST_BYTES))
+                shadowed |= users.manifest_packs(kind, store, key, None, None,
+                                                 store.get_limited(key, MAX_MANIFEST_BYTES))
             except (KeyNotFound, *_UNREADABLE):
                 continue  # not a readable manifest: it references nothing
-    return left
+    for pack in shadowed:  # kept, never repacked (as gc keeps them)
+        namers.pop(pack, None)
+    return left - shadowed - set(namers)
 
 
 def _drop_from_index(store: Store, gone: set[str], users: PackUsers, compress: bool) -> int:
