@@ -4,9 +4,11 @@ Every checkpoint Lightning saves (ModelCheckpoint's top-k, ``last``, ``trainer.s
 checkpoint of ``run`` at the trainer's global step: written atomically, deduplicated, verified on load, never
 pickled (its hyper-parameters, callback states and loop states are typed JSON values, docs/format.md §8.3). Lightning
 keeps addressing checkpoints by file path, so the plugin also writes, at that path, a small JSON *pointer* naming the
-repository, run and step; ``trainer.fit(ckpt_path=path)`` and ``ckpt_path="last"`` resolve through it.
-``remove_checkpoint`` (top-k rotation) deletes the pointer and that checkpoint, unless another pointer (``last``)
-still names the same step. ``LightningModule.load_from_checkpoint(path)`` reads the path with ``torch.load``, which
+repository, run and step; ``trainer.fit(ckpt_path=path)`` and ``ckpt_path="last"`` resolve through it. Each
+checkpoint records the metrics the dict tells (luopan.lightning.metrics: the monitored one, every logged scalar with
+ExactResume). ``remove_checkpoint`` (top-k rotation) deletes the pointer and that checkpoint, unless another pointer
+(``last``) still names the same step, and frees the packs only it needed at once (``reclaim=True``, the default;
+docs/format.md §10.3.1); so does a save that replaces the checkpoint of the same step (top-k, then ``last``). ``LightningModule.load_from_checkpoint(path)`` reads the path with ``torch.load``, which
 cannot read a pointer: use ``luopan.lightning.load_from_checkpoint(ModuleClass, path_or_repo, run, step)``.
 """
 
