@@ -156,9 +156,10 @@ class Repo:
         """A run: its record, eval logs, pins and signatures (luopan.checkpoint.runs.record.Run)."""
         return self.checkpointing.run(name)
 
-    def delete(self, run: str, step: int) -> bool:
-        """Remove checkpoint ``step`` of ``run`` now (pinned ones are refused); returns whether it existed."""
-        return self.checkpointing.delete(run, step)
+    def delete(self, run: str, step: int, *, reclaim: bool = False) -> bool:
+        """Remove checkpoint ``step`` of ``run`` now (pinned ones are refused); returns whether it existed.
+        ``reclaim=True`` also frees at once the packs only it needed (else the next ``gc`` does)."""
+        return self.checkpointing.delete(run, step, reclaim=reclaim)
 
     def prune(self, run: str, retention: Rules | None = None, *, dry_run: bool = False,
               missing_metrics: str = "error", rules: Rules | None = None) -> Plan:

@@ -14,6 +14,7 @@ from ..repository.logcheck import log_problems
 from ..repository.structure import verify_structure
 from ..repository.verify import index_problems, raise_problems, verify_manifests
 from ..repository.pruning import prune_series
+from ..repository.reclaim import manifest_packs, reclaim as reclaim_packs
 from ..retention import Plan, Rules
 from .._compat import deprecated_alias
 from ..signing import SigningKey, TrustedKeys, load_signing_key
@@ -110,8 +111,9 @@ class Maintaining(Saving, Reading):
         signing_key = key if isinstance(key, SigningKey) else load_signing_key(key)
         return signatures.sign(self.store, self.manifest(run, step), signing_key)
 
-    def delete(self, run: str, step: int) -> bool:
-        """Remove checkpoint ``step`` of ``run`` now (its manifest; the chunks only it used go at the next gc).
+    def delete(self, run: str, step: int, *, reclaim: bool = False) -> bool:
+        """Remove checkpoint ``step`` of ``run`` now (its manifest; the chunks only it used go at the next gc, or at
+        once with ``reclaim=True``: the packs it named that no other manifest names, docs/format.md §10.3.1).
         A pinned checkpoint is refused (UsageError: unpin it first). Returns whether it existed."""
         check_run(run)
         step = check_step(step)
@@ -125,10 +127,35 @@ class Maintaining(Saving, Reading):
                 return False
             for sig in list(self.store.list(signatures_prefix(run, step))):  # they sign content that is going
                 self.store.delete(sig)
+            # packs to reclaim: read before the manifest goes (a tiered repository leaves them to gc, §10.3)
+            candidates = manifest_packs(CHECKPOINTS, self.store, run, step, self.repository.pack_users) \
+                if reclaim and self.tier is None else frozenset()
             # the latest ref moves off it first (to the newest remaining checkpoint, or goes): never dangling
             move_latest_ref(self.store, run, step, [s for s in self.steps(run) if s != step])
             self.store.delete(key)
+            if candidates:
+                self._reclaim(candidates)
             return True
+
+    def packs(self, run: str, step: int) -> frozenset[str]:
+        """The pack ids checkpoint ``step`` of ``run`` names (every pack it needs, §8.5)."""
+        return manifest_packs(CHECKPOINTS, self.store, check_run(run), check_step(step), self.repository.pack_users)
+
+    def reclaim(self, packs: frozenset[str] | set[str]) -> Any:
+        """Free at once those of ``packs`` that no manifest names now (e.g. those of a checkpoint just replaced with
+        ``overwrite=True``), under the exclusive lock (docs/format.md §10.3.1); returns a Reclaimed (None: nothing
+        to do, or a tiered repository, which leaves them to gc)."""
+        self.drain()
+        if self.tier is not None or not packs:
+            return None
+        with locked(self.store, "exclusive", "reclaim", timeout=self.lock_timeout, where=self.where):
+            return self._reclaim(frozenset(packs))
+
+    def _reclaim(self, candidates: frozenset[str]) -> Any:
+        self.repository.last_reclaim = reclaim_packs(
+            self.store, self.kinds, candidates, self.repository.pack_users,
+            format_version=self.config.format_version, pack_size=self.config.pack_size)
+        return self.repository.last_reclaim
 
     def replication_status(self, run: str) -> dict[int, str]:
         """step -> "local" | "replicating" | "replicated" | "remote" (evicted locally) | "cold" of a tiered repo."""

@@ -32,6 +32,7 @@ from .preflight import DEFAULT_SPACE_MARGIN
 from .chunkwriter import ChunkWriter
 from .packwriter import PackChecker
 from .transaction import Transaction
+from .reclaim import PackUsers, Reclaimed
 
 
 class Repository:
@@ -50,6 +51,8 @@ class Repository:
         self.listeners: list[Any] = []  # commit listeners: told of every write and commit (tiering is one)
         self._tier: TierLike | None = None
         self._known: dict[str, BlobLocation] | None = None
+        self.pack_users = PackUsers()  # which packs each manifest content / index file names (reclaim, §10.3.1)
+        self.last_reclaim: Reclaimed | None = None  # what the last delete(reclaim=True) of this process freed
         self._indexes_seen: set[str] = set()
         self._intact_packs: dict[str, tuple[int, ...]] = {}  # pack id -> store signature when its trailer checked
         # Bumped whenever the locations this process remembers are forgotten (gc replaced the index files, verify

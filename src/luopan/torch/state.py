@@ -252,3 +252,24 @@ def _set_generator_state(g: Any, saved: dict[str, Any]) -> None:
         g.set_state(dict(saved["state"]))
     else:
         g.bit_generator.state = saved["state"]
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states (Python ``random``, NumPy's global generator, torch CPU, CUDA when initialized) as a
+    luopan state tree: what ``TrainingState.capture()`` stores under ``rng``."""
+    return _global_rng_state()
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the global RNG states ``rng_state()`` captured."""
+    _set_global_rng_state(state)
+
+
+def generator_state(g: Any) -> dict[str, Any]:
+    """The state of a torch or NumPy generator as a luopan state tree."""
+    return _generator_state(g)
+
+
+def set_generator_state(g: Any, saved: dict[str, Any]) -> None:
+    """Restore a generator's state ``generator_state()`` captured."""
+    _set_generator_state(g, saved)

@@ -4,9 +4,11 @@ Every checkpoint Lightning saves (ModelCheckpoint's top-k, ``last``, ``trainer.s
 checkpoint of ``run`` at the trainer's global step: written atomically, deduplicated, verified on load, never
 pickled (its hyper-parameters, callback states and loop states are typed JSON values, docs/format.md §8.3). Lightning
 keeps addressing checkpoints by file path, so the plugin also writes, at that path, a small JSON *pointer* naming the
-repository, run and step; ``trainer.fit(ckpt_path=path)`` and ``ckpt_path="last"`` resolve through it.
-``remove_checkpoint`` (top-k rotation) deletes the pointer and that checkpoint, unless another pointer (``last``)
-still names the same step. ``LightningModule.load_from_checkpoint(path)`` reads the path with ``torch.load``, which
+repository, run and step; ``trainer.fit(ckpt_path=path)`` and ``ckpt_path="last"`` resolve through it. Each
+checkpoint records the metrics the dict tells (luopan.lightning.metrics: the monitored one, every logged scalar with
+ExactResume). ``remove_checkpoint`` (top-k rotation) deletes the pointer and that checkpoint, unless another pointer
+(``last``) still names the same step, and frees the packs only it needed at once (``reclaim=True``, the default;
+docs/format.md §10.3.1); so does a save that replaces the checkpoint of the same step (top-k, then ``last``). ``LightningModule.load_from_checkpoint(path)`` reads the path with ``torch.load``, which
 cannot read a pointer: use ``luopan.lightning.load_from_checkpoint(ModuleClass, path_or_repo, run, step)``.
 """
 
@@ -19,10 +21,11 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core.saving import _load_state
 
-from ._files import write_atomic, write_error
-from .errors import CheckpointExistsError, CorruptRepoError
-from .format.names import check_run, check_step
-from .repo import Repo, open as open_repo
+from .._files import write_atomic, write_error
+from ..errors import CheckpointExistsError, CorruptRepoError
+from ..format.names import check_run, check_step
+from ..repo import Repo, open as open_repo
+from .metrics import checkpoint_metrics
 
 POINTER_FORMAT = "luopan-lightning-pointer"
 
@@ -52,7 +55,8 @@ class LuopanCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` storing every checkpoint in luopan repository ``repo_or_url`` under ``run``."""
 
     def __init__(self, repo_or_url: Repo | str | os.PathLike[str], run: str, *,
-                 inputs: list[str] | None = None) -> None:
+                 inputs: list[str] | None = None, reclaim: bool = True) -> None:
+        self.reclaim = reclaim  # free a rotated-out checkpoint's own packs at once (docs/format.md §10.3.1)
         self.location = _location(repo_or_url)
         self.inputs = list(inputs) if inputs else None  # lineage: "NAME@V" each checkpoint was trained on (§8)
         self.run = check_run(run)
@@ -67,9 +71,7 @@ class LuopanCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         step = int(checkpoint.get("global_step", 0))
-        metrics = {k: v for k, v in (checkpoint.get("callback_metrics") or {}).items()
-                   if isinstance(v, (int, float))}
-        # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
+        metrics = checkpoint_metrics(checkpoint)
         path = os.path.abspath(os.fspath(path))
         try:
             before = read_pointer(path) if os.path.exists(path) else None
@@ -81,9 +83,14 @@ class LuopanCheckpointIO(CheckpointIO):
             raise CheckpointExistsError(
                 f"run {self.run!r} already has a checkpoint at step {step} from an earlier fit: give this branch of "
                 "training its own run (LuopanCheckpointIO(repo, 'new-run')), or delete that step first")
-        # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state).
+        # Top-k and `last` may save at one global step: the later save replaces the earlier (same trainer state);
+        # the packs only the replaced one named (callback states that differ) are freed with it.
+        replaced = self.repo.checkpointing.packs(self.run, step) \
+            if self.reclaim and step in self._pointers.values() else frozenset()
         self.repo.save(self.run, step, checkpoint, metrics=metrics or None, overwrite=True,
                        metadata={"lightning_path": path}, inputs=self.inputs)
+        if replaced:
+            self.repo.checkpointing.reclaim(replaced - self.repo.checkpointing.packs(self.run, step))
         self._write_pointer(path, step)
         self._pointers[path] = step
         if before is not None and before["step"] != step and self._owns(before):
@@ -122,7 +129,7 @@ class LuopanCheckpointIO(CheckpointIO):
         plugin wrote anywhere, or any in the same directory)."""
         if ptr["step"] in self._pointers.values() or _named_elsewhere(directory, ptr):
             return
-        self.repo.delete(ptr["run"], ptr["step"])
+        self.repo.delete(ptr["run"], ptr["step"], reclaim=self.reclaim)
 
     def teardown(self) -> None:
         if self._repo is not None:
