@@ -125,7 +125,8 @@ def test_one_chunk_pipeline_and_one_commit_sequence():
             kind_puts.append(rel)
     assert builders == {"PackWriter": {"repository/chunkwriter.py"},
                         "PackChecker": {"repository/chunkwriter.py", "repository/core.py"},
-                        "build_index": {"repository/chunkwriter.py", "repository/gc.py"}}
+                        # gc, and reclaim (gc of one deleted checkpoint's packs, §10.3.1) rewrite index files
+                        "build_index": {"repository/chunkwriter.py", "repository/gc.py", "repository/reclaim.py"}}
     assert kind_locks == ["index/api.py"]  # rollback moves the current ref, under the lock; it commits no manifest
     assert kind_puts == ["checkpoint/runs/record.py"]  # a run's record (context, never a manifest)
     assert private == []
