@@ -118,6 +118,7 @@ def steps_lost_to_kill(work: str, durability: str, steps: int, kill_after: int) 
                 os.kill(p.pid, signal.SIGKILL)
                 break
     p.wait()
+    ran = max([ran] + [int(x) for x in p.stdout.read().split() if x.isdigit()])  # printed before it died
     with LuopanSaver(repo) as saver:
         tup = saver.get_tuple({"configurable": {"thread_id": "k-t0"}})
         saved = tup.checkpoint["channel_values"].get("n", 0) if tup is not None else 0
