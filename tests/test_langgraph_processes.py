@@ -6,6 +6,7 @@ nothing the other wrote is lost). Before, the second process's saver raised Jour
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -177,3 +178,14 @@ def test_sigkill_of_one_saver_process_while_another_puts(tmp_path, child_env):
         newest = saver.get_tuple(cfg("a")).config
         saver.put_writes(newest, [("x", 1)], "t")  # and it takes writes again
         assert saver.get_tuple(newest).pending_writes == [("t", "x", 1)]
+
+
+def test_readme_multi_process_example_runs_as_written(tmp_path, child_env):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
+    code = next(b for b in blocks if "LuopanSaver(" in b and "multiprocessing" in b)
+    (tmp_path / "example.py").write_text(code)
+    res = subprocess.run([PYTHON, "example.py"], cwd=tmp_path, env=child_env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.splitlines() == ["user-0 9 checkpoints", "user-1 9 checkpoints"]
