@@ -178,6 +178,9 @@ class SharedLog(Log):
             raise io_error(exc, path, "reading") from None
         if parse_segment_header(head) != first and cut:  # its starter died while writing the header
             _rewrite_header(path, first)
+            rec = Recovery(path, 0, len(head), first, "a segment header cut short or damaged", True)
+            logger.warning("journal recovery: %s", rec)
+            self.recovered.append(rec)
         self.segments.append(Segment(path, first))
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND)
