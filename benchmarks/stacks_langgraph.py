@@ -21,7 +21,6 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 from common import ROOT, dir_bytes
