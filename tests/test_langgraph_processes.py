@@ -189,3 +189,31 @@ def test_readme_multi_process_example_runs_as_written(tmp_path, child_env):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.splitlines() == ["user-0 9 checkpoints", "user-1 9 checkpoints"]
+
+
+def test_savers_of_one_process_in_threads(tmp_path):
+    """Several savers of one process on one repository (each its own journal writer), put from threads at once:
+    seqs stay unique, every saver sees every thread whole."""
+    import threading
+
+    repo = str(tmp_path / "repo")
+    savers = [LuopanSaver(repo) for _ in range(3)]
+    ids: dict[str, list[str]] = {}
+
+    def work(n: int) -> None:
+        ids[f"t{n}"] = put_chain(savers[n], f"t{n}", 15, tag=str(n))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        for s in savers:
+            for thread, want in ids.items():
+                assert [c.config["configurable"]["checkpoint_id"] for c in s.list(cfg(thread))] == want[::-1]
+        seqs = [seq for seq, _ in savers[0].journal.items()]
+        assert seqs == list(range(45))
+    finally:
+        for s in savers:
+            s.close()

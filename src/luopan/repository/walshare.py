@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from ..errors import JournalBusyError, UsageError
 from ..format.records import HEADER_BYTES, parse_segment_header, segment_name
 from .wal import LOCK_NAME, Log
-from .walio import io_error
+from .walio import _sync, _sync_dir, io_error
 from .walscan import Recovery, Segment, _rewrite_header, _scan, logger, read_sync_mark, scan_directory
 from .walscan import _truncate as _cut
 
@@ -116,7 +116,7 @@ class SharedLog(Log):
             while len(self.segments) > 1 and not os.path.exists(self.segments[0].path):
                 self.segments.pop(0)  # another writer compacted: the oldest segments went, oldest first
             self.generation += 1
-        while True:
+        while self.segments:
             tail = self.segments[-1]
             try:
                 size = os.stat(tail.path).st_size
@@ -186,6 +186,12 @@ class SharedLog(Log):
             fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
             raise io_error(exc, path, "opening") from None
+        try:  # its starter may have died before syncing it into the directory: records go in only once it is
+            _sync(fd, path)
+            _sync_dir(self.directory)
+        except OSError as exc:
+            os.close(fd)
+            raise io_error(exc, path, "syncing the new segment", "{remedy}, then try again") from None
         if self._fd is not None:
             os.close(self._fd)
         self._fd = fd
