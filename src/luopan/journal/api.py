@@ -220,6 +220,8 @@ class Journal:
         if not isinstance(meta, dict) or json_culprit(meta, "metadata") is not None:
             raise UsageError("metadata must be a JSON object")
         self._log.sync()  # what the snapshot stands for is durable before anything that held it goes
+        if self.shared:  # the snapshot's seq starts a segment, so every segment before goes and every other writer
+            self._log.start_segment(end)  # sees the drop (its generation moves) and rebuilds from the snapshot
         try:
             store_snapshot(self.repo, self.name, end, snapshot, meta, end - latest)
         except CheckpointExistsError:

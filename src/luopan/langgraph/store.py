@@ -180,11 +180,9 @@ class Store:
 
     # -- space reclamation --------------------------------------------------------------------------------------
     def after_delete(self) -> None:
-        """Forget dead objects; compact when the journal's dead bytes exceed both its live bytes and the margin —
+        """Compact when the journal's dead bytes exceed both its live bytes and the margin —
         unless a repository lock is busy: then it is put off to a later write (the delete is already durable)."""
-        live = self.index.sweep()
-        for key in [k for k in self.cache if k not in self.index.objects]:
-            self.cache_bytes -= len(self.cache.pop(key)[1])
+        live = self.index.live_bytes()  # dead objects stay known until the snapshot: another saver may name them
         dead = self.journal_bytes - live
         if dead > live and dead > self.compact_min_dead_bytes and self.deferred != "compact":
             self._retry_at = 0.0 if self.deferred is None else self._retry_at  # newly due: try it now

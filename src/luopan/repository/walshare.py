@@ -222,6 +222,12 @@ class SharedLog(Log):
         with self._locked(True):
             super()._sync_now()
 
+    def start_segment(self, seq: int) -> None:
+        """Start a new segment at ``seq`` when it is the next seq and the last segment holds records."""
+        with self._locked(True):
+            if seq == self._next and self.segments[-1].offsets:
+                self._rotate()
+
     def drop_before(self, seq: int) -> int:
         with self._locked(True):
             return super().drop_before(seq)
