@@ -15,7 +15,13 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..errors import CorruptJournalError, CorruptManifestError, ManifestNotFoundError, UsageError
+from ..errors import (
+    CheckpointExistsError,
+    CorruptJournalError,
+    CorruptManifestError,
+    ManifestNotFoundError,
+    UsageError,
+)
 from ..format.canonical import json_culprit
 from ..repository.core import Repository, repository_of
 from ..store.base import Store
@@ -23,6 +29,7 @@ from ..repository.opening import connect
 from ..repository.pins import read_pins
 from ..repository.pruning import prune_series
 from ..repository.wal import DEFAULT_SEGMENT_BYTES, Log, Recovery, check_options
+from ..repository.walshare import SharedLog
 from ..retention import KeepLast, Plan
 from ..store.local import LocalStore
 from ..store.tiered import TieredStore
@@ -79,11 +86,13 @@ class Journal:
     """A journal named ``name`` in the repository at ``location`` (a path, created when missing, or an open
     ``luopan.Repo``). ``fsync``: ``"always"`` (an acknowledged record is durable), ``"batch"`` (group commit: a machine
     crash can lose the records of the last ``batch_records`` records or ``batch_ms`` milliseconds, whichever is
-    fewer) or ``"off"``. One writer at a time per journal; ``read_only=True`` reads beside it. Thread-safe."""
+    fewer) or ``"off"``. One writer at a time per journal (a second gets `JournalBusyError`), or, with
+    ``shared=True``, any number of them, in any processes, each appending after catching up with the others
+    (docs/format.md §16.2); ``read_only=True`` reads beside them. Thread-safe."""
 
     def __init__(self, location: str | os.PathLike[str] | Repository | Any, fsync: str = "always", *,
                  name: str = "main", batch_records: int = 64, batch_ms: float = 10.0,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, read_only: bool = False) -> None:
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, read_only: bool = False, shared: bool = False) -> None:
         check_journal(name)
         check_options(fsync, batch_records, batch_ms, segment_bytes)
         self.name = name
@@ -95,15 +104,20 @@ class Journal:
                                               storage_options=None)
             self.repo, self._own_repo = Repository(store, config), True
         self.directory = os.path.join(_local_root(self.repo), *log_prefix(name).rstrip("/").split("/"))
+        if shared and read_only:
+            raise UsageError("shared=True is for writers: open read_only=True alone to read beside them")
+        self.shared = shared
         for attempt in range(3):  # read-only, a writer compacting meanwhile can make one look inconsistent
             latest = self._latest_number() or 0
-            self._log = Log(self.directory, fsync=fsync, batch_records=batch_records, batch_ms=batch_ms,
-                            segment_bytes=segment_bytes, read_only=read_only, start_seq=latest)
+            options = dict(fsync=fsync, batch_records=batch_records, batch_ms=batch_ms, segment_bytes=segment_bytes,
+                           start_seq=latest)
+            self._log = SharedLog(self.directory, **options) if shared else Log(self.directory, read_only=read_only,
+                                                                                 **options)
             first, end = self._log.first_seq, self._log.next_seq
             if first <= latest <= end:
                 return
             self._log.close()
-            if not read_only or attempt == 2:
+            if not (read_only or shared) or attempt == 2:
                 break
         if end < latest:
             raise CorruptJournalError(f"journal {name!r} in {self.repo.where}: its log ends at record {end}, before "
@@ -137,6 +151,21 @@ class Journal:
         """The first seq still in the log (the records before it are in a snapshot)."""
         return self._log.first_seq
 
+    def writing(self) -> Any:
+        """A context: within it this journal has every record appended so far (by any writer of a ``shared=True``
+        journal) and its appends are the only ones; the state it derived from the records stays current."""
+        return self._log.writing()
+
+    def reading(self) -> Any:
+        """A context: within it this journal has every record appended so far, and none is compacted away."""
+        return self._log.reading()
+
+    @property
+    def generation(self) -> int:
+        """Counts the times another writer of a ``shared=True`` journal compacted records this one had read: state
+        built from them must be rebuilt from the latest snapshot and the records after it."""
+        return self._log.generation
+
     def append(self, record: bytes | dict[str, Any]) -> int:
         """Append a record (bytes, or a JSON-able dict); returns its seq (0, 1, 2, …). In ``"always"`` mode it is
         durable when this returns."""
@@ -148,6 +177,9 @@ class Journal:
 
     def items(self, start_seq: int = 0) -> Iterator[tuple[int, Any]]:
         """(seq, record) from ``start_seq`` on. RecordNotFoundError when ``start_seq`` was compacted away."""
+        if self.shared:
+            with self._log.reading():  # what the other writers appended too
+                pass
         for seq, payload in self._log.items(start_seq):
             yield seq, decode_record(payload, self.directory, seq)
 
@@ -188,7 +220,13 @@ class Journal:
         if not isinstance(meta, dict) or json_culprit(meta, "metadata") is not None:
             raise UsageError("metadata must be a JSON object")
         self._log.sync()  # what the snapshot stands for is durable before anything that held it goes
-        store_snapshot(self.repo, self.name, end, snapshot, meta, end - latest)
+        if self.shared:  # the snapshot's seq starts a segment, so every segment before goes and every other writer
+            self._log.start_segment(end)  # sees the drop (its generation moves) and rebuilds from the snapshot
+        try:
+            store_snapshot(self.repo, self.name, end, snapshot, meta, end - latest)
+        except CheckpointExistsError:
+            if not self.shared:
+                raise  # (shared: another writer's snapshot at this seq stands for the same records)
         self._log.drop_before(end)
         return end
 

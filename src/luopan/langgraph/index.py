@@ -188,6 +188,12 @@ class Index:
                     live.update(ref_keys(ref, self.block_data))
         return live
 
+    def live_bytes(self) -> int:
+        """The bytes of the objects still referenced, and of the structure (nothing is forgotten: which objects an
+        index holds must follow from the log alone, the same in every process that reads it, §18.5)."""
+        live = self.live_keys()
+        return sum(loc.size for k, loc in self.objects.items() if k in live) + self.structure_bytes()
+
     def sweep(self) -> int:
         """Forget objects nothing references any more; returns the bytes of the objects still live."""
         live = self.live_keys()

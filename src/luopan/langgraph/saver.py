@@ -44,6 +44,10 @@ class LuopanSaver(BaseCheckpointSaver[str]):
     `SerializerProtocol`; the default is `JsonPlusSerializer` without pickle and with a strict msgpack allowlist,
     extended by ``allowed_msgpack_modules``. Pickled payloads are refused either way (`PickledPayloadError`).
 
+    Several processes (and threads, and savers of one process) may use one repository's saver at once, as with
+    SqliteSaver: each call first applies what the others appended (docs/format.md §16.2, §18.5), so puts from each
+    are visible to all, seqs stay unique, and prune, delete and compaction work while others write.
+
     The index (threads, checkpoints, versions, references) is kept in memory and rebuilt on open from the journal's
     snapshot plus the records after it; values are read back from the journal when asked for. After a prune or a
     delete, the journal is compacted (a snapshot of the live state is written, the log segments it covers and the
@@ -96,12 +100,12 @@ class LuopanSaver(BaseCheckpointSaver[str]):
     def compact(self) -> int:
         """Write a snapshot of the live state and delete the journal segments it covers and the older snapshots;
         returns its seq. Waits for a busy repository lock up to the repository's ``lock_timeout`` (LockedError)."""
-        with self._store.lock:
+        with self._store.writing():
             return self._store.compact()
 
     def stats(self) -> dict[str, int]:
         """Journal bytes (snapshot + records since), live object bytes, object and checkpoint counts."""
-        with self._store.lock:
+        with self._store.reading():
             return self._store.stats()
 
     @property
@@ -137,7 +141,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         conf = config["configurable"]
         thread, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "") or ""
-        with self._store.lock:
+        with self._store.reading():
             sp = self._store.index.space(thread, ns)
             if sp is None or not sp.order:
                 return None
@@ -152,7 +156,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
         want_ns = conf.get("checkpoint_ns") if config else None
         want_id = get_checkpoint_id(config) if config else None
         before_id = get_checkpoint_id(before) if before else None
-        with self._store.lock:
+        with self._store.reading():
             index = self._store.index
             threads = [str(conf["thread_id"])] if config and conf.get("thread_id") is not None \
                 else list(index.threads)
@@ -172,7 +176,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
         if limit is not None:
             hits = hits[:max(limit, 0)]
         for thread, ns, cid in hits:
-            with self._store.lock:
+            with self._store.reading():
                 sp = self._store.index.space(thread, ns)
                 if sp is None or cid not in sp.ckpts:
                     continue
@@ -191,7 +195,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
         meta = get_checkpoint_metadata(config, metadata)
         run_id = meta.get("run_id")
         dumps = self.serde.dumps_typed
-        with self._store.lock:
+        with self._store.writing():
             sp = self._store.index.space(thread, ns)
             enc = ValueEncoder(dumps, self._store.have)
             blobs = [[ch, ver, enc.ref(values[ch]) if ch in values else None] for ch, ver in new_versions.items()]
@@ -210,7 +214,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
                    task_path: str = "") -> None:
         conf = config["configurable"]
         thread, ns, cid = str(conf["thread_id"]), conf.get("checkpoint_ns", "") or "", conf["checkpoint_id"]
-        with self._store.lock:
+        with self._store.writing():
             sp = self._store.index.space(thread, ns)
             existing = sp.writes.get(cid, {}) if sp is not None else {}
             enc = ValueEncoder(self.serde.dumps_typed, self._store.have)
@@ -224,7 +228,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
                 self._store.append([WRITES, thread, ns, cid, task_id, task_path, enc.new, out], enc.new)
 
     def delete_thread(self, thread_id: str) -> None:
-        with self._store.lock:
+        with self._store.writing():
             if str(thread_id) in self._store.index.threads:
                 self._store.append([DELETE_THREADS, [str(thread_id)]])
                 self._store.after_delete()
@@ -233,7 +237,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
         runs = {str(r) for r in run_ids}
         if not runs:
             return
-        with self._store.lock:
+        with self._store.writing():
             plan = []
             for thread, ns, sp in self._store.index.spaces():
                 ids = [cid for cid in sp.order if sp.ckpts[cid].run_id in runs]
@@ -245,7 +249,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         src, dst = str(source_thread_id), str(target_thread_id)
-        with self._store.lock:
+        with self._store.writing():
             if src in self._store.index.threads and src != dst:
                 self._store.append([COPY_THREAD, src, dst])
 
@@ -264,7 +268,7 @@ class LuopanSaver(BaseCheckpointSaver[str]):
         if strategy == "delete" and keep_last is not None:
             raise UsageError('prune(strategy="delete") removes every checkpoint; it takes no keep_last')
         threads = [str(t) for t in thread_ids]
-        with self._store.lock:
+        with self._store.writing():
             index = self._store.index
             if strategy == "delete" or keep_last == 0:
                 present = [t for t in dict.fromkeys(threads) if t in index.threads]

@@ -6,7 +6,11 @@ gc is unrelated work an agent must not stall on. When a lock is busy the compact
 snapshots after it) is put off and tried again, without waiting either, by a later write — at most once per
 ``COMPACT_RETRY_SECONDS`` (doubling to ``COMPACT_RETRY_MAX_SECONDS``) while the lock stays busy. The delete itself
 is a journal record, durable before any of this starts. An explicit ``compact()`` waits as any repository write
-does (the repository's ``lock_timeout``)."""
+does (the repository's ``lock_timeout``).
+
+Several savers — in several processes, or several objects of one — share the journal (``shared=True``, docs/format.md
+§16.2): every call runs in `reading()` or `writing()`, which first applies the records the others appended since this
+index last looked (and rebuilds the index from the latest snapshot when another one compacted records it used)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import IntegrityError, LockedError
+from ..errors import IntegrityError, LockedError, ManifestNotFoundError, RecordNotFoundError
 from ..journal import Journal
 from .index import Index
 from .records import (
@@ -47,7 +51,7 @@ class Store:
     def __init__(self, location: Any, *, fsync: str, name: str, compact_min_dead_bytes: int,
                  cache_bytes: int = CACHE_BYTES, **journal_options: Any) -> None:
         self.lock = threading.RLock()
-        self.journal = Journal(location, fsync=fsync, name=name, **journal_options)
+        self.journal = Journal(location, fsync=fsync, name=name, shared=True, **journal_options)
         self.index = Index()
         self.cache: OrderedDict[bytes, Typed] = OrderedDict()
         self.cache_bytes = 0
@@ -58,13 +62,57 @@ class Store:
         self.deferred: str | None = None  # "compact" or "prune": automatic work a busy repository lock put off
         self._retry_at = 0.0
         self._retry_pause = COMPACT_RETRY_SECONDS
+        self.applied = 0  # the seq of the first record the index has not applied
+        self.generation = 0  # the journal's generation the index was built at
         try:
-            self._open()
+            with self.journal.reading():
+                self._load()
         except BaseException:
             self.journal.close()
             raise
 
-    def _open(self) -> None:
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within: the index has every record any saver appended, and none it uses is compacted away."""
+        with self.lock, self.journal.reading():
+            self._catch_up()
+            yield
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Within: as `reading`, and this store's appends are the journal's only ones."""
+        with self.lock, self.journal.writing():
+            self._catch_up()
+            yield
+
+    def _catch_up(self) -> None:
+        if self.journal.generation != self.generation:  # another saver compacted records the index points into
+            self._load()
+            return
+        for seq, raw in self.journal.items(start_seq=self.applied):
+            self._apply_raw(seq, raw)
+
+    def _apply_raw(self, seq: int, raw: Any) -> None:
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise IntegrityError(f"langgraph journal record {seq} is not bytes")
+        self.index.apply(decode(raw), seq)
+        self.journal_bytes += len(raw)
+        self.applied = seq + 1
+
+    def _load(self) -> None:
+        """Build the index from the latest snapshot and the records after it (under the journal's lock: no segment
+        goes meanwhile; a snapshot another saver prunes meanwhile makes it look again)."""
+        for attempt in range(5):
+            self.index, self.journal_bytes, self.cache, self.cache_bytes = Index(), 0, OrderedDict(), 0
+            self.generation = self.journal.generation
+            try:
+                self._load_once()
+                return
+            except (ManifestNotFoundError, RecordNotFoundError):
+                if attempt == 4:
+                    raise
+
+    def _load_once(self) -> None:
         snap = self.journal.latest_snapshot()
         start = self.journal.first_seq
         if snap is not None:
@@ -74,11 +122,9 @@ class Store:
             self.index.load_snapshot(bytes(value))
             self.journal_bytes += len(value)
             start = max(start, snap.seq)
+        self.applied = start
         for seq, raw in self.journal.items(start_seq=start):
-            if not isinstance(raw, (bytes, bytearray, memoryview)):
-                raise IntegrityError(f"langgraph journal record {seq} is not bytes")
-            self.index.apply(decode(raw), seq)
-            self.journal_bytes += len(raw)
+            self._apply_raw(seq, raw)
 
     # -- writing ------------------------------------------------------------------------------------------------
     def have(self, key: bytes) -> bool:
@@ -87,9 +133,10 @@ class Store:
     def append(self, rec: list, new_objects: list | None = None) -> None:
         """Write one record durably (per the journal's fsync mode), then apply it to the index."""
         raw = encode(rec)
-        seq = self.journal.append(raw)
+        seq = self.journal.append(raw)  # in `writing()`: the index has every record before it
         self.journal_bytes += len(raw)
         self.index.apply(rec, seq)
+        self.applied = seq + 1
         for key, type_, data in new_objects or ():
             if type_ != BLOCK_TYPE:
                 self._cache_put(key, (type_, data))
@@ -133,11 +180,9 @@ class Store:
 
     # -- space reclamation --------------------------------------------------------------------------------------
     def after_delete(self) -> None:
-        """Forget dead objects; compact when the journal's dead bytes exceed both its live bytes and the margin —
+        """Compact when the journal's dead bytes exceed both its live bytes and the margin —
         unless a repository lock is busy: then it is put off to a later write (the delete is already durable)."""
-        live = self.index.sweep()
-        for key in [k for k in self.cache if k not in self.index.objects]:
-            self.cache_bytes -= len(self.cache.pop(key)[1])
+        live = self.index.live_bytes()  # dead objects stay known until the snapshot: another saver may name them
         dead = self.journal_bytes - live
         if dead > live and dead > self.compact_min_dead_bytes and self.deferred != "compact":
             self._retry_at = 0.0 if self.deferred is None else self._retry_at  # newly due: try it now
@@ -171,7 +216,7 @@ class Store:
         self.index.sweep()
         objs, recs = self.index.snapshot_records(self.read_object)
         value = encode([SNAPSHOT_MAGIC, FORMAT, objs, recs])
-        seq = self.journal.compact(value)
+        seq = self.journal.compact(value, upto=self.applied)
         fresh = Index()
         fresh.load_snapshot(value)
         self.index = fresh

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .. import _files
@@ -191,6 +192,21 @@ class Log:
             os.close(self._fd)
         self._fd = fd
         self.segments.append(Segment(path, first_seq, [], HEADER_BYTES))
+
+    # -- several writers (luopan.repository.walshare.SharedLog overrides these) ------------------------------------
+    generation = 0  # how often records this object had indexed were dropped by another writer (SharedLog)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Within: this object's appends are the log's only ones, and it has every record appended so far."""
+        with self._mutex:
+            yield
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within: this object has every record appended so far, and none is dropped meanwhile."""
+        with self._mutex:
+            yield
 
     # -- writing ----------------------------------------------------------------------------------------------------
     @property

@@ -103,10 +103,11 @@ def _read(path: str) -> memoryview:
         return memoryview(f.read())
 
 
-def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int) -> tuple[int, str] | None:
+def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int, base: int = 0) -> tuple[int, str] | None:
     """Fill ``seg.offsets``; return (offset, reason) of a torn tail of the last segment, or None when clean.
-    ``vouched``: the log's sync mark (records below it were synced)."""
-    pos, seq = HEADER_BYTES, seg.first_seq
+    ``vouched``: the log's sync mark (records below it were synced). ``base``: the file offset ``buf`` starts at
+    (0: the whole file; else the end of the records already in ``seg``, for a writer catching up, §16.2)."""
+    pos, seq = (HEADER_BYTES if base == 0 else 0), seg.end_seq
     while pos < len(buf):
         f = read_frame(buf, pos, seq)
         if f is None:
@@ -120,26 +121,26 @@ def _scan(seg: Segment, buf: memoryview, last: bool, vouched: int) -> tuple[int,
             else:
                 reason = "a record whose checksum does not match"
             if not last:
-                raise damaged(seg.path, pos, seq, f"is unreadable ({reason}) in a segment that was complete")
+                raise damaged(seg.path, base + pos, seq, f"is unreadable ({reason}) in a segment that was complete")
             later, intact = frames_after(buf, pos, seq)
             if later is not None:
-                raise damaged(seg.path, pos, seq, f"is unreadable ({reason}), but record {later.seq} (offset "
-                              f"{later.offset}) was written after it had been made durable")
+                raise damaged(seg.path, base + pos, seq, f"is unreadable ({reason}), but record {later.seq} (offset "
+                              f"{base + later.offset}) was written after it had been made durable")
             if seq < vouched and (intact is not None or reason.endswith("does not match")):
                 # a whole record a sync covered that does not check: bit rot or an overwrite, never a crash's torn
                 # tail. (One cut short, or zero-filled from inside it to the end of the file, is still cut: a copy
                 # of a live log, made segment by segment, can end mid-record while its sync mark, copied later,
                 # vouches for more; a disk whose cache ignored a flush leaves a tail of zeros after a power loss.
                 # Neither is what bit rot does.)
-                after = (f" although record {intact.seq} (offset {intact.offset}) after it is intact, and"
+                after = (f" although record {intact.seq} (offset {base + intact.offset}) after it is intact, and"
                          if intact is not None else ", but")
-                raise damaged(seg.path, pos, seq, f"is unreadable ({reason}){after} the log's sync mark "
+                raise damaged(seg.path, base + pos, seq, f"is unreadable ({reason}){after} the log's sync mark "
                               f"({SYNC_MARK_NAME}) says every record below {vouched} had been made durable")
-            return pos, reason
-        seg.offsets.append(pos)
+            return base + pos, reason
+        seg.offsets.append(base + pos)
         pos += f.size
         seq += 1
-    seg.size = pos
+    seg.size = base + pos
     return None
 
 
