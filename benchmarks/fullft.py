@@ -70,6 +70,11 @@ counted as its byte planes zstd-compressed; measured outside the timings).
 the default repository's configured compression), ``context`` (the other precision), ``disk_peak_bytes``,
 ``loadavg`` (start, end), ``elapsed_s``.
 
+**fp32 run** (``fp32``, issue 31; ``--no-fp32`` skips it): an HF GPT-2 of the same size in fp32 bytes, fully
+fine-tuned in fp32 (AdamW lr 1e-5 on the fp32 weights), saved by luopan (default and uncompressed repositories) and
+by its own ``save_pretrained``, in lockstep: ratio, seconds per save against ``save_pretrained`` (with and without
+the fsyncs luopan makes) and XOR deltas per save (benchmarks/fullft_fp32.py says how).
+
 **Correctness.** After the last save, step 8 of every repository is loaded (``repo.load``) and compared bit for bit
 with the model's state (``torch.equal`` on int16 views, same keys, dtypes and shapes); a mismatch raises.
 
