@@ -183,8 +183,9 @@ def run_fp32(target_mib: float, workdir: str | None, log: Callable[[str], Any]) 
         logical: list[int] = []
         for s in range(1, SAVES + 1):
             tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-            loss = model(tokens, labels=tokens).loss
-            loss.backward()
+            out = model(tokens, labels=tokens)
+            out.loss.backward()
+            loss = out.loss.detach()
             opt.step()
             opt.zero_grad(set_to_none=True)
             state = model.state_dict()
@@ -198,7 +199,7 @@ def run_fp32(target_mib: float, workdir: str | None, log: Callable[[str], Any]) 
                     if p.name == "default":
                         logical.append(n)
             d, hf = peers[2], peers[0]
-            log(f"  P13 fp32 save {s}/{SAVES}: loss {float(loss):.4f}; default {d.stored[-1] / (1 << 20):.1f} MiB "
+            log(f"  P13 fp32 save {s}/{SAVES}: loss {loss.item():.4f}; default {d.stored[-1] / (1 << 20):.1f} MiB "
                 f"{d.save_s[-1]:.2f}s ({d.xor_entries[-1]} XOR deltas), save_pretrained "
                 f"{hf.stored[-1] / (1 << 20):.1f} MiB {hf.save_s[-1]:.2f}s ({hf.synced_s[-1]:.2f}s synced), "
                 f"uncompressed {peers[1].save_s[-1]:.2f}s")
