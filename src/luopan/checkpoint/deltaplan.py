@@ -50,6 +50,8 @@ class PlanContext:
     compressing: bool  # the repository compresses chunks (XOR deltas only pay then)
     encode: Callable[[memoryview, int, bool], memoryview]  # stored bytes of a piece of an entry (an XOR delta's: True)
     segments: bool = False  # the repository takes patches in segments (format 7, docs/format.md §5.2)
+    # bytes [a, b) of a base chunk, for an estimate only (_xor_pays); None: read_base(chunk)[a:b]
+    peek_base: Callable[[Triple, int, int], memoryview] | None = None
 
 
 def chunk_xxh3s(data: memoryview, spans: list[tuple[int, int]]) -> list[str]:
@@ -139,7 +141,8 @@ def _xor_pays(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], k: int
     a = (n - min(n, SAMPLE_BYTES)) // 2 // 8 * 8
     b = a + min(n, SAMPLE_BYTES)
     current = data[off + a : off + b]
-    delta = len(pc.encode(xor_into(current, pc.read_base(base[k], k)[a:b]), leaf.itemsize, True))
+    window = pc.peek_base(base[k], a, b) if pc.peek_base is not None else pc.read_base(base[k], k)[a:b]
+    delta = len(pc.encode(xor_into(current, window), leaf.itemsize, True))
     return delta <= pc.policy.xor_fraction * len(current) and delta < len(pc.encode(current, leaf.itemsize, False))
 
 
