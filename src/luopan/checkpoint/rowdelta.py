@@ -57,8 +57,9 @@ class DeltaPolicy:
     # 0.5: an XOR delta must at least halve the entry to be worth its CPU. It reads the base back, XORs, splits and
     # codes planes: 2-2.5 ms more per MiB than storing fp32 raw (0.55 ms), 0.4-1.2 ms more than coding bf16 (4.4 ms),
     # one core here. A full fp32 fine-tune's deltas store 0.56-0.6 of the weights (GPT-2, AdamW lr 1e-5; the low two
-    # mantissa bytes are noise): with 0.6 they were written at ~1.5x the save time for 1.5x fewer bytes, flipping
-    # between delta and full as entries crossed 0.6 (benchmarks/fullft_fp32.py). bf16 ones store 0.2-0.35.
+    # mantissa bytes are noise): with 0.6 they were written at 1.9-2.6x the time of an uncompressed save for 1.44x
+    # fewer bytes, flipping between delta and full as entries crossed 0.6 (benchmarks/fullft_fp32.py, 133 MiB).
+    # bf16 fine-tunes' deltas store 0.15-0.45 of the weights (P13, tests/test_engine2_deltas.py) and are kept.
     xor_fraction: float = 0.5
 
     def __post_init__(self) -> None:
