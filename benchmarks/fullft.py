@@ -70,6 +70,11 @@ counted as its byte planes zstd-compressed; measured outside the timings).
 the default repository's configured compression), ``context`` (the other precision), ``disk_peak_bytes``,
 ``loadavg`` (start, end), ``elapsed_s``.
 
+**fp32 run** (``fp32``, issue 31; ``--no-fp32`` skips it): an HF GPT-2 of the same size in fp32 bytes, fully
+fine-tuned in fp32 (AdamW lr 1e-5 on the fp32 weights), saved by luopan (default and uncompressed repositories) and
+by its own ``save_pretrained``, in lockstep: ratio, seconds per save against ``save_pretrained`` (with and without
+the fsyncs luopan makes) and XOR deltas per save (benchmarks/fullft_fp32.py says how).
+
 **Correctness.** After the last save, step 8 of every repository is loaded (``repo.load``) and compared bit for bit
 with the model's state (``torch.equal`` on int16 views, same keys, dtypes and shapes); a mismatch raises.
 
@@ -98,6 +103,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common import dir_bytes, loadavg, median, settle, spread, timed
+from fullft_fp32 import run_fp32
 
 ID = "P13.fullft_logical_over_stored"
 RUN = "ft"
@@ -476,11 +482,11 @@ def _measure(precision: str, plan: dict[str, int], names: list[str], base: str, 
 
 # -- P13 -------------------------------------------------------------------------------------------------------
 def run_p13(size_mib: int, quick: bool, workdir: str | None, log: Callable[[str], Any], *,
-            model_mib: float | None = None, context: bool = True) -> dict[str, Any]:
+            model_mib: float | None = None, context: bool = True, fp32: bool = True) -> dict[str, Any]:
     """P13.fullft_logical_over_stored: see the module docstring. ``size_mib`` is the suite's --size-mib (the model
     is ``max(size_mib, 1024)`` MiB, 256 with ``quick``; ``model_mib`` overrides both, e.g. 4 in the tests);
-    ``workdir`` the parent of a scratch directory removed at the end; ``context=False`` skips the pure-bf16 run.
-    Returns one result dict."""
+    ``workdir`` the parent of a scratch directory removed at the end; ``context=False`` skips the pure-bf16 run,
+    ``fp32=False`` the fp32 run against ``save_pretrained`` (benchmarks/fullft_fp32.py). Returns one result dict."""
     import torch
 
     target = model_mib if model_mib is not None else (QUICK_MIB if quick else max(size_mib, FULL_MIN_MIB))
@@ -509,6 +515,7 @@ def run_p13(size_mib: int, quick: bool, workdir: str | None, log: Callable[[str]
                         extras=False) if context else None)
         feats["default_compression"] = head["repos"]["default"]["compression"]
         result = _result(head, ctx, plan, feats, target)
+        result["fp32"] = run_fp32(target, work, log) if fp32 else None
         result["elapsed_s"] = round(time.perf_counter() - t0, 1)
         result["loadavg"] = {"start": load_start, "end": loadavg()}
         log(f"  P13: ratio {result['ratio']} ({HEADLINE}; goal >= {GOAL}), save time ratio "
@@ -606,12 +613,13 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"model size in MiB of bf16 weights (at least {FULL_MIN_MIB}; ignored with --quick)")
     ap.add_argument("--model-mib", type=float, default=None, help=argparse.SUPPRESS)  # the tests' tiny model
     ap.add_argument("--no-context", action="store_true", help="skip the pure-bf16 context run")
+    ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 run against save_pretrained")
     ap.add_argument("--workdir", help="parent of the scratch directory (default: the system temp dir)")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     r = run_p13(args.size_mib, args.quick, args.workdir, log, model_mib=args.model_mib,
-                context=not args.no_context)
+                context=not args.no_context, fp32=not args.no_fp32)
     mib = 1 << 20
     print(f"{r['id']}: {r['ratio']} (goal {r['goal_op']} {r['goal']} and save time <= {r['save_time_goal']}x "
           f"uncompressed: {'met' if r['met'] else 'MISSED'}); save time ratio {r['save_time_ratio']} "
@@ -627,6 +635,13 @@ def main(argv: list[str] | None = None) -> int:
         c = r["context"]
         print(f"  context {c['precision']}: ratio {c['ratio']}, save time ratio {c['save_time_ratio']}, changed "
               f"per step {c['changed_fraction_per_step']}, step {c['median_step_s']}s median")
+    if r["fp32"]:
+        f = r["fp32"]
+        print(f"  fp32 ({f['model']['mib']} MiB GPT-2, AdamW lr {LR}): ratio {f['ratio']} (uncompressed "
+              f"{f['ratio_uncompressed']}); save time {f['time_over_save_pretrained']}x save_pretrained "
+              f"({f['default_s']:.3f}s vs {f['save_pretrained_s']:.3f}s; {f['time_over_save_pretrained_synced']}x "
+              f"with its fsyncs), {f['time_over_uncompressed']}x uncompressed; XOR deltas per save "
+              f"{f['xor_entries_per_save']} of {f['delta_candidates']} candidates; verified {f['verified']}")
     print(f"  features {r['features']}; verified {r['verified']}; {r['elapsed_s']}s")
     if args.json:
         with open(args.json, "w") as f:

@@ -50,6 +50,8 @@ class PlanContext:
     compressing: bool  # the repository compresses chunks (XOR deltas only pay then)
     encode: Callable[[memoryview, int, bool], memoryview]  # stored bytes of a piece of an entry (an XOR delta's: True)
     segments: bool = False  # the repository takes patches in segments (format 7, docs/format.md §5.2)
+    # bytes [a, b) of a base chunk, for an estimate only (_xor_pays); None: read_base(chunk)[a:b]
+    peek_base: Callable[[Triple, int, int], memoryview] | None = None
 
 
 def chunk_xxh3s(data: memoryview, spans: list[tuple[int, int]]) -> list[str]:
@@ -110,8 +112,13 @@ def plan_entry(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], step:
     wide = track.form == "xor" or dense or len(changed_k) * 2 >= len(spans)
     if (wide and pc.policy.xor_eligible(leaf) and pc.compressing and track.xor_skip == 0
             and estimate <= pc.policy.xor_fraction * leaf.nbytes and estimate * n <= c
-            and pc.base_usable(track.base_chunks)
-            and (estimate or _xor_pays(leaf, data, spans, changed_k[len(changed_k) // 2], track.base_chunks, pc))):
+            and pc.base_usable(track.base_chunks)):
+        if not estimate and not _xor_pays(leaf, data, spans, changed_k[len(changed_k) // 2], track.base_chunks, pc):
+            # The sample says it would not pay (an optimizer's moments, a replaced head): stored in full, and XOR
+            # deltas paused as after one that did not pay, so the sample is not read again at every save.
+            pause = min(MAX_BACKOFF, max(1, 2 * track.xor_backoff))
+            return Decision(dataclasses.replace(full, skip=skip, backoff=backoff, xor_skip=pause, xor_backoff=pause),
+                            xs, hashes=hashes)
         xt = RowTrack(lay, tuple(xs), None, track.base_step, track.base_chunks, _EMPTY, skip, backoff, c, n,
                       "xor", track.xor_bytes, 0, track.xor_backoff, base_checked=track.base_checked)
         same = _same_as_base(track, xs, hashes)
@@ -126,15 +133,17 @@ SAMPLE_BYTES = 256 << 10  # the slice of one changed chunk that decides whether 
 
 def _xor_pays(leaf: Leaf, data: memoryview, spans: list[tuple[int, int]], k: int, base: list[Triple],
               pc: PlanContext) -> bool:
-    """Whether an XOR delta would store much less than the content itself, judged on a slice of chunk ``k`` (a
-    replaced tensor, e.g. a re-initialised head, XORs into noise that stores larger than the values)."""
+    """Whether an XOR delta would be worth its CPU time, judged on a slice of chunk ``k``: store at most
+    ``xor_fraction`` of the content's size, and less than the content itself would (a replaced tensor, e.g. a
+    re-initialised head, or an optimizer's moments XOR into noise; a full fp32 fine-tune's weights into two noise
+    bytes of four, ~0.55-0.6 of their size)."""
     off, n = spans[k]
     a = (n - min(n, SAMPLE_BYTES)) // 2 // 8 * 8
     b = a + min(n, SAMPLE_BYTES)
     current = data[off + a : off + b]
-    delta = xor_into(current, pc.read_base(base[k], k)[a:b])
-    plain = len(pc.encode(current, leaf.itemsize, False))
-    return len(pc.encode(delta, leaf.itemsize, True)) <= pc.policy.xor_fraction * plain
+    window = pc.peek_base(base[k], a, b) if pc.peek_base is not None else pc.read_base(base[k], k)[a:b]
+    delta = len(pc.encode(xor_into(current, window), leaf.itemsize, True))
+    return delta <= pc.policy.xor_fraction * len(current) and delta < len(pc.encode(current, leaf.itemsize, False))
 
 
 def _same_as_base(track: RowTrack, xs: list[str], hashes: list[str] | None) -> list[bool] | None:

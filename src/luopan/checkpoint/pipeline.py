@@ -14,10 +14,11 @@ from typing import Any
 from .. import typed
 from ..tree import Leaf
 from ..errors import CheckpointExistsError, IntegrityError, LuopanError
+from ..store.base import KeyNotFound
 from ..format import BASE_FORMAT_VERSION, ENGINE2_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION
 from ..format.chunking import chunk_spans
 from ..format.manifest import Row, encode_metrics, stored_rows, structure_fingerprint, uses_new_codecs
-from ..format.names import manifest_key
+from ..format.names import manifest_key, pack_key
 from ..format.codecs import encode_blob
 from ..repository.chunkwriter import ChunkWriter, Item, stored_plainly
 from ..repository.parallel import shared_pool
@@ -175,7 +176,7 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         coding = compression.codec != "none"
         pc = PlanContext(ctx.policy, self._usable, self._read_base, pool, coding,
                          lambda view, width, fast: encode_blob(view, compression, width, fast)[1],
-                         ctx.config.format_version >= SEGMENTS_FORMAT_VERSION)
+                         ctx.config.format_version >= SEGMENTS_FORMAT_VERSION, self._peek_base)
         ahead = self._xxh3_ahead(pool)
         for i, leaf in enumerate(req.leaves):
             if leaf.alias_of is not None or i in self.skipped:
@@ -297,6 +298,24 @@ class _CheckpointWriter(GroupStore, TrackUpdates):
         except IntegrityError as exc:  # damaged or missing; an unreadable store (StorageError) fails the save
             raise BaseReadError(h, exc) from exc
         return buf
+
+    def _peek_base(self, chunk: tuple[str, int, str], a: int, b: int) -> memoryview:
+        """Bytes [a, b) of a base chunk, for the estimate of ``_xor_pays`` only: a chunk stored raw is read in that
+        range alone, unverified (16x less than the chunk, and no hash: damage can only sway an estimate, and a delta
+        reads and verifies the whole chunk); any other chunk is read whole and verified."""
+        h, size, _x = chunk
+        loc = self.ctx.known.get(h)
+        if loc is not None and loc.codec == "none" and loc.size == size and 0 <= a <= b <= size:
+            ref = ChunkRef(f"run {self.req.run!r} (a delta base)", "", 0, h, loc.pack, loc.offset, loc.length,
+                           loc.size, loc.codec)
+            buf = base_scratch(b - a)
+            try:
+                self.sizes.check(ref)  # the row fits in its pack
+                if self.ctx.store.read_into(pack_key(loc.pack), loc.offset + a, buf) == b - a:
+                    return buf
+            except (IntegrityError, KeyNotFound):
+                pass  # missing or cut short: read whole below, which says so (BaseReadError)
+        return self._read_base(chunk, 0)[a:b]
 
     def _xor(self, item: Item) -> memoryview:
         """A delta item's bytes: this content XOR the base chunk at the same place, in this thread's scratch."""

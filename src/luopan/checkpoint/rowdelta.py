@@ -44,7 +44,8 @@ class DeltaPolicy:
     written per save since the base (docs/format.md §5.2, benchmarks P3 and P4).
     XOR deltas (``xor=True``): an entry of at least ``xor_min_bytes`` that changed densely (a full fine-tune moves
     every weight a little) is stored as its XOR against the base version, compressed, while that costs at most
-    ``xor_fraction`` of the entry's size and the same average rule holds. They only pay with compression on.
+    ``xor_fraction`` of the entry's size (and less than storing it plainly) and the same average rule holds. They
+    only pay with compression on.
     ``enabled=False`` stores every entry as plain chunks (no deltas of either kind).
     """
 
@@ -53,7 +54,13 @@ class DeltaPolicy:
     rebase_fraction: float = 0.08
     xor: bool = True
     xor_min_bytes: int = 1 << 20
-    xor_fraction: float = 0.6
+    # 0.5: an XOR delta must at least halve the entry to be worth its CPU. It reads the base back, XORs, splits and
+    # codes planes: 2-2.5 ms more per MiB than storing fp32 raw (0.55 ms), 0.4-1.2 ms more than coding bf16 (4.4 ms),
+    # one core here. A full fp32 fine-tune's deltas store 0.56-0.6 of the weights (GPT-2, AdamW lr 1e-5; the low two
+    # mantissa bytes are noise): with 0.6 they were written at 1.9-2.6x the time of an uncompressed save for 1.44x
+    # fewer bytes, flipping between delta and full as entries crossed 0.6 (benchmarks/fullft_fp32.py, 133 MiB).
+    # bf16 fine-tunes' deltas store 0.15-0.45 of the weights (P13, tests/test_engine2_deltas.py) and are kept.
+    xor_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("min_bytes", "xor_min_bytes"):
