@@ -1,0 +1,238 @@
+"""Live tensors for live sync: the publisher's record of what it published (to find changed elements with torch ops
+on bit views), and the subscriber's staging (decode, stage and fingerprint an update before one element of the live
+tensors changes; then write only the changed elements, in place).
+
+Fingerprints are luopan.torch.fingerprint's (docs/format.md §19.3): the same value ``luopan.torch.fingerprint(model)``
+gives, computed here from per-tensor digests — unchanged tensors' digests come from its cache, changed ones are hashed
+from a staging copy — and handed back to that cache after a write, so the next update's base check hashes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import numpy as np
+import torch
+
+from ..errors import LayoutMismatchError, UsageError
+from ..format.canonical import canonical
+from ..torch.fingerprint import _digest as cached_digest
+from ..torch.fingerprint import remember
+from ..tree import Leaf, flatten
+from .delta import DTYPE_SIZES, ELEMENT_DTYPES
+
+BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
+_THREADS = 1 << 22  # hash buffers from 4 MiB on every core
+
+
+def state_of(model_or_state: Any) -> Any:
+    sd = getattr(model_or_state, "state_dict", None)
+    return sd() if callable(sd) else model_or_state
+
+
+def leaves_of(model_or_state: Any, what: str = "the model") -> list[Leaf]:
+    """The tensor leaves of a module's state_dict or of a state tree, in key-path order; UsageError for a leaf that
+    is not a torch tensor of a dtype live sync carries."""
+    _skeleton, leaves = flatten(state_of(model_or_state))
+    bad = [lf.path for lf in leaves if lf.kind != "torch" or lf.dtype not in DTYPE_SIZES]
+    if bad:
+        raise UsageError(f"live sync carries torch tensors of dtypes {sorted(DTYPE_SIZES)}; {what} has other "
+                         f"leaves at {bad[:5]}: sync a state dict of such tensors only")
+    return sorted(leaves, key=lambda lf: lf.path)
+
+
+def digest(buf: Any) -> str:
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    if view.nbytes >= _THREADS:
+        return blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
+    return blake3.blake3(view).hexdigest()
+
+
+def fingerprint_of(rows: list[tuple[str, str, tuple[int, ...], str]]) -> str:
+    """luopan.torch.fingerprint's value from (path, dtype, shape, digest) of every torch tensor."""
+    doc = [[p, "torch", d, list(s), h] for p, d, s, h in sorted(rows)]
+    return "blake3:" + blake3.blake3(canonical(doc)).hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor (a view, no copy)."""
+    flat = t.reshape(-1)
+    if flat.dtype in (torch.bfloat16, torch.float16, torch.bool):
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(b"")
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of the same bits (bf16/fp16 as int16, fp32 as int32): equal bits, equal integers."""
+    return t.reshape(-1).view(BITS[t.element_size()]) if t.dtype != torch.bool else t.reshape(-1).view(torch.uint8)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+# ---------------------------------------------------------------------------------------------------- publisher
+
+@dataclass
+class Record:
+    """What the publisher last published of one tensor: a CPU copy, and per element the version it last changed
+    in (element dtypes) or the version the whole tensor last changed in (other dtypes)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    last: torch.Tensor  # flat CPU copy
+    stamp: torch.Tensor | None  # int64 per element, for element dtypes
+    changed: int  # version of the tensor's last change
+    digest: str
+
+
+@dataclass
+class Published:
+    records: dict[str, Record] = field(default_factory=dict)
+
+    def layout(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(p, r.dtype, r.shape) for p, r in sorted(self.records.items())]
+
+    def fingerprint(self) -> str:
+        return fingerprint_of([(p, r.dtype, r.shape, r.digest) for p, r in self.records.items()])
+
+    def reset(self, leaves: list[Leaf], version: int) -> None:
+        self.records = {}
+        for lf in leaves:
+            last = lf.obj.detach().to("cpu", copy=True).contiguous().reshape(-1)
+            stamp = torch.full(last.shape, version, dtype=torch.int64) if lf.dtype in ELEMENT_DTYPES else None
+            self.records[lf.path] = Record(lf.dtype, lf.shape, last, stamp, version, digest(tensor_bytes(last)))
+
+    def update(self, leaves: list[Leaf], version: int) -> int:
+        """Take the new values of ``leaves`` as ``version``; the number of elements that changed."""
+        changed = 0
+        for lf in leaves:
+            r = self.records[lf.path]
+            cur = lf.obj.detach().to("cpu").contiguous().reshape(-1)
+            if r.stamp is not None:
+                idx = torch.nonzero(as_bits(cur) != as_bits(r.last)).squeeze(1)
+                if idx.numel():
+                    r.last[idx] = cur[idx]
+                    r.stamp[idx] = version
+            else:
+                idx = torch.nonzero(as_bits(cur) != as_bits(r.last)).squeeze(1)
+                if idx.numel():
+                    r.last.copy_(cur)
+            if idx.numel():
+                r.changed = version
+                r.digest = digest(tensor_bytes(r.last))
+                changed += int(idx.numel())
+        return changed
+
+    def delta_parts(self, bases: list[int]) -> dict[int, list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]]:
+        """For each base version: the parts of the delta from it (luopan.sync.delta.encode_delta), the elements
+        that changed after it — by element for element dtypes (whole when that is smaller), whole otherwise."""
+        out: dict[int, list[Any]] = {b: [] for b in bases}
+        oldest = min(bases)
+        for path, r in sorted(self.records.items()):
+            if r.changed <= oldest:
+                continue
+            if r.stamp is None:
+                for b in bases:
+                    if r.changed > b:
+                        out[b].append((path, r.dtype, r.shape, None, _u8(r.last)))
+                continue
+            union = torch.nonzero(r.stamp > oldest).squeeze(1)
+            when = r.stamp[union]
+            size = ELEMENT_DTYPES[r.dtype]
+            for b in bases:
+                idx = union[when > b] if b != oldest else union
+                if not idx.numel():
+                    continue
+                if idx.numel() * (size + 1) >= r.last.numel() * size:
+                    out[b].append((path, r.dtype, r.shape, None, _u8(r.last)))
+                else:
+                    out[b].append((path, r.dtype, r.shape, idx.numpy(), _u8(r.last[idx])))
+        return out
+
+    def full_parts(self) -> list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]:
+        return [(p, r.dtype, r.shape, None, _u8(r.last)) for p, r in sorted(self.records.items())]
+
+
+def _u8(t: torch.Tensor) -> np.ndarray:
+    return np.frombuffer(tensor_bytes(t.contiguous()), np.uint8)
+
+
+# --------------------------------------------------------------------------------------------------- subscriber
+
+class Stage:
+    """An update staged against live tensors: per tensor either element changes (flat indices + values) or a
+    whole new tensor (a private CPU copy); nothing live is written until ``write``."""
+
+    def __init__(self, leaves: list[Leaf]) -> None:
+        self.leaves = {lf.path: lf for lf in leaves}
+        self.whole: dict[str, torch.Tensor] = {}
+        self.elements: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def check_layout(self, tensors: Any, full: bool, where: str) -> None:
+        names = {t.name for t in tensors}
+        if full and names != set(self.leaves):
+            missing, extra = sorted(set(self.leaves) - names)[:5], sorted(names - set(self.leaves))[:5]
+            raise LayoutMismatchError(f"{where} holds other tensors than the model (missing {missing}, unknown "
+                                      f"{extra}): the subscriber's model is not the one published. Nothing changed")
+        for t in tensors:
+            lf = self.leaves.get(t.name)
+            if lf is None or lf.dtype != t.dtype or tuple(lf.shape) != t.shape:
+                have = None if lf is None else f"{lf.dtype}{list(lf.shape)}"
+                raise LayoutMismatchError(f"{where} has tensor {t.name[:80]!r} as {t.dtype}{list(t.shape)}, the "
+                                          f"model has {have}: the subscriber's model is not the one published. "
+                                          "Nothing changed")
+            if not lf.obj.is_contiguous():
+                raise UsageError(f"tensor {t.name[:80]!r} of the model is not contiguous: live sync writes in "
+                                 "place into contiguous tensors only")
+
+    def add(self, t: Any, idx: np.ndarray | None, values: memoryview) -> None:
+        """Stage one tensor's section (already checked by the parser)."""
+        raw = torch.from_numpy(np.frombuffer(values, np.uint8).copy())
+        vals = raw.view(torch_dtype(t.dtype))
+        if idx is None:
+            self.whole[t.name] = vals
+            self.elements.pop(t.name, None)
+            return
+        ix = torch.from_numpy(idx)
+        base = self.whole.get(t.name)
+        if base is not None:  # a delta over a staged full version: change the private copy
+            base[ix] = vals
+        else:
+            self.elements[t.name] = (ix, vals)
+
+    def fingerprint(self) -> tuple[str, dict[str, str]]:
+        """The fingerprint the live tensors will have after ``write``, and the new digests of the changed ones. A
+        changed tensor is hashed from a private copy with its changes applied (one tensor at a time); tied tensors
+        appear under each of their paths, in the delta as in the model."""
+        digests: dict[str, str] = {}
+        rows = []
+        for path, lf in self.leaves.items():
+            if path in self.whole:
+                h = digests[path] = digest(tensor_bytes(self.whole[path]))
+            elif path in self.elements:
+                ix, vals = self.elements[path]
+                scratch = lf.obj.detach().to("cpu", copy=True).contiguous().reshape(-1)
+                scratch[ix] = vals
+                h = digests[path] = digest(tensor_bytes(scratch))
+                del scratch
+            else:
+                h = cached_digest(lf)
+            rows.append((path, lf.dtype, tuple(lf.shape), h))
+        return fingerprint_of(rows), digests
+
+    def write(self, digests: dict[str, str]) -> None:
+        """Write the staged values into the live tensors, in place, and hand the new digests to the fingerprint
+        cache."""
+        with torch.no_grad():
+            for path, vals in self.whole.items():
+                live = self.leaves[path].obj
+                live.view(-1).copy_(vals.to(live.device).view(live.dtype) if vals.dtype != live.dtype
+                                    else vals.to(live.device))
+            for path, (ix, vals) in self.elements.items():
+                live = self.leaves[path].obj
+                live.view(-1).index_put_((ix.to(live.device),), vals.to(live.device))
+        for path in (*self.whole, *self.elements):
+            remember(self.leaves[path].obj, digests[path])
