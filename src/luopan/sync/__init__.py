@@ -8,7 +8,18 @@ signed, verified deltas, applied in place.
     sub.update(model)                              # -> the version applied, or None; sub.version
 """
 
+from typing import Any
+
+from .helpers import StepPublisher, WeightLoader, publish_on_step
 from .publisher import Publisher
 from .subscriber import Subscriber
 
-__all__ = ["Publisher", "Subscriber"]
+__all__ = ["Publisher", "StepPublisher", "Subscriber", "SyncCallback", "WeightLoader", "publish_on_step"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SyncCallback":  # imports transformers: only when asked for
+        from .hf import SyncCallback
+
+        return SyncCallback
+    raise AttributeError(f"module 'luopan.sync' has no attribute {name!r}")

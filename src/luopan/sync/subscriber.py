@@ -67,6 +67,7 @@ class Subscriber:
         self.fingerprint: str | None = None
         self.step: int | None = None
         self.last_bytes = 0  # bytes fetched by the last update (index excluded)
+        self.changed: list[str] = []  # the tensors the last update wrote
 
     def update(self, model_or_state: Any) -> int | None:
         """Bring the tensors to the newest published version; the version applied, or None when they already hold
@@ -111,6 +112,7 @@ class Subscriber:
                 f"{live_fp[:23]}…: the source now publishes other weights (another trainer or channel). Refused, "
                 "nothing was applied; make a new Subscriber to start over from a full version")
         if held is not None and held.version == latest.version:
+            self.changed = []
             self._hold(latest, live_fp)
             return None
         delta = index.delta_from(held.version) if held is not None else None
@@ -133,6 +135,7 @@ class Subscriber:
                 f"the update to version {latest.version} from {self.source} would give tensors of fingerprint "
                 f"{result[:23]}…, not {latest.fingerprint[:23]}… as published: refused, the tensors are unchanged")
         stage.write(digests)
+        self.changed = sorted({*stage.whole, *stage.elements})
         self._hold(latest, result)
         return latest.version
 
