@@ -158,6 +158,26 @@ def test_a_worker_that_missed_steps_catches_up_in_one_fetch(tmp_path):
     assert [r.split("/")[0] for r in reads] == ["index.json", "full", "deltas"]
 
 
+def test_doubling_spacing_serves_every_lag_with_one_delta(tmp_path):
+    trainer = make_model(0)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=6, spacing="doubling")
+    held = {}
+    for step in range(14):
+        train_step(trainer, step)
+        held[pub.publish(step, trainer)] = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
+    index = luopan.sync.index.parse_index((tmp_path / "ch" / "index.json").read_bytes())
+    assert sorted(14 - d.source for d in index.deltas) == [1, 2, 4, 6]  # 1, 2, 4 and keep back
+    for lag in range(1, 7):
+        worker = make_model(1)
+        worker.load_state_dict(held[14 - lag])
+        sub = luopan.sync.Subscriber(tmp_path / "ch")
+        reads = []
+        real = sub._get
+        sub._get = lambda name, ref: reads.append(name) or real(name, ref)  # type: ignore[method-assign]
+        assert sub.update(worker) == 14 and bits(worker) == bits(trainer)
+        assert len(reads) == 2 and reads[1].startswith("deltas/"), (lag, reads)
+
+
 def test_fresh_subscriber_restart_and_state_file(tmp_path, keys):
     key, trusted, _ = keys
     trainer = make_model(0)

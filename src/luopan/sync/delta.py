@@ -75,40 +75,35 @@ class DeltaHeader:
 
 # ---------------------------------------------------------------------------------------------------- indices
 
-def encode_gaps(idx: np.ndarray) -> np.ndarray:
+def _gaps(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(gaps, varint length of each) of ascending flat indices."""
+    gaps = np.diff(idx, prepend=0).astype(np.uint64 if idx.size and int(idx[-1]) >= 1 << 32 else np.uint32)
+    nbytes = np.ones(gaps.shape, np.uint8)
+    top = int(gaps.max()) if gaps.size else 0
+    for k in range(1, MAX_VARINT):
+        if top < 1 << (7 * k):
+            break
+        nbytes += gaps >= (1 << (7 * k))
+    return gaps, nbytes
+
+
+def encode_gaps(idx: np.ndarray, pre: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """LEB128 varints of the gaps of ascending flat indices (the first from 0), as uint8."""
-    idx = idx.astype(np.uint64, copy=False)
     if not idx.size:
         return np.zeros(0, np.uint8)
-    gaps = np.empty_like(idx)
-    gaps[0] = idx[0]
-    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
-    nbytes = np.ones(gaps.shape, np.int64)
-    for k in range(1, MAX_VARINT):
-        nbytes += gaps >= np.uint64(1 << (7 * k))
-    ends = np.cumsum(nbytes)
-    out = np.empty(int(ends[-1]), np.uint8)
-    starts = ends - nbytes
-    for k in range(int(nbytes.max())):
-        sel = nbytes > k
-        part = ((gaps[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8)
-        part[nbytes[sel] > k + 1] |= 0x80
-        out[starts[sel] + k] = part
-    return out
+    gaps, nbytes = pre if pre is not None else _gaps(idx)
+    m = int(nbytes.max())
+    if m == 1:
+        return gaps.astype(np.uint8)
+    cols = np.empty((gaps.size, m), np.uint8)
+    for k in range(m):
+        cols[:, k] = ((gaps >> (7 * k)) & 0x7F) | ((nbytes > k + 1).view(np.uint8) << 7)
+    return cols[np.arange(m, dtype=np.uint8) < nbytes[:, None]]
 
 
 def gaps_size(idx: np.ndarray) -> int:
     """The length of ``encode_gaps(idx)`` without building it."""
-    if not idx.size:
-        return 0
-    idx = idx.astype(np.uint64, copy=False)
-    total = int(idx.size)
-    first = int(idx[0])
-    gaps = idx[1:] - idx[:-1]
-    for k in range(1, MAX_VARINT):
-        lim = np.uint64(1 << (7 * k))
-        total += int(np.count_nonzero(gaps >= lim)) + (first >= int(lim))
-    return total
+    return int(_gaps(idx)[1].sum(dtype=np.int64)) if idx.size else 0
 
 
 def decode_gaps(data: np.ndarray, count: int, numel: int) -> np.ndarray:
@@ -175,8 +170,9 @@ def encode_delta(source: int | None, target: int, base: str | None, result: str,
         else:
             count = int(idx.size)
             bitmap = (numel + 7) // 8
-            mode = "bitmap" if bitmap < gaps_size(idx) else "gaps"
-            index = encode_bitmap(idx, numel) if mode == "bitmap" else encode_gaps(idx)
+            pre = _gaps(idx)
+            mode = "bitmap" if bitmap < int(pre[1].sum(dtype=np.int64)) else "gaps"
+            index = encode_bitmap(idx, numel) if mode == "bitmap" else encode_gaps(idx, pre)
         tensors.append({"count": count, "dtype": dtype, "index_bytes": int(index.size), "mode": mode, "name": name,
                         "shape": list(shape), "value_bytes": int(values.size)})
         body += [index, values]

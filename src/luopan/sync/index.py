@@ -83,7 +83,12 @@ class SyncIndex:
         return next((v for v in reversed(self.versions) if v.fingerprint == fingerprint), None)
 
     def delta_from(self, version: int | None) -> SyncDelta | None:
-        return next((d for d in self.deltas if d.source == version), None)
+        """The delta for tensors holding ``version``: the one from the newest listed version at or before it (a
+        delta from b carries every element changed since b, so it serves any version from b on)."""
+        if version is None:
+            return None
+        found = [d for d in self.deltas if d.source <= version]
+        return max(found, key=lambda d: d.source, default=None)
 
     def newest_full(self) -> SyncVersion:
         return next(v for v in reversed(self.versions) if v.full is not None)

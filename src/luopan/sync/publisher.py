@@ -47,12 +47,14 @@ class Publisher:
     publishes unsigned indexes (only subscribers without trusted keys accept them). ``keep``: deltas are written from
     each of the last ``keep`` versions, so a subscriber that missed up to ``keep - 1`` publishes catches up in one
     fetch. ``full_every``: a full version at the first publish and then every so many (at most ``keep``, so a new
-    subscriber always finds a full version and one delta from it). ``expires``: how long an index stays valid (a
+    subscriber always finds a full version and one delta from it). ``spacing="doubling"`` writes deltas only from the
+    versions 1, 2, 4, … and ``keep`` publishes back (log2(keep) deltas a publish instead of keep): a delta from version
+    b carries every element changed since b, so it serves a subscriber holding any version from b on. ``expires``: how long an index stays valid (a
     subscriber refuses an expired one: publish at least that often). ``channel``: the name subscribers check."""
 
     def __init__(self, target: str | os.PathLike[str], key: SigningKey | str | os.PathLike[str] | None = None,
                  keep: int = 8, full_every: int | None = None, channel: str = "sync",
-                 expires: str | float = "7d") -> None:
+                 expires: str | float = "7d", spacing: str = "each") -> None:
         if isinstance(target, str) and "://" in target and not target.startswith("file://"):
             raise UsageError(f"sync target {target!r}: a Publisher writes to a directory (serve that directory over "
                              "HTTP for subscribers elsewhere); object-store targets are not supported yet")
@@ -65,6 +67,10 @@ class Publisher:
         if not isinstance(full_every, int) or not 1 <= full_every <= keep:
             raise UsageError(f"full_every={full_every!r} must be from 1 to keep ({keep}): a new subscriber needs a "
                              "full version with a delta from it to the newest")
+        if spacing not in ("each", "doubling"):
+            raise UsageError(f"spacing={spacing!r}: 'each' (a delta from each of the last keep versions) or "
+                             "'doubling' (from the versions 1, 2, 4, … and keep publishes back)")
+        self.spacing = spacing
         if not is_run_name(channel):
             raise UsageError(f"channel {channel!r} is not a name of 1-128 letters, digits, '.', '_', '-'")
         self.keep, self.full_every, self.channel = keep, full_every, channel
@@ -117,7 +123,7 @@ class Publisher:
         layout = [(lf.path, lf.dtype, tuple(lf.shape)) for lf in leaves]
         with publish_lock(self.root):
             v = self.version + 1
-            fresh = layout != self._layout
+            fresh = layout != self._layout or v >= 2**31 - 1  # per-element stamps are int32
             if fresh:  # first publish, or the model's tensors changed: only a full version this time
                 self._pub.reset(leaves, v)
                 self._layout, self._versions = layout, []
@@ -125,8 +131,10 @@ class Publisher:
             else:
                 self.changed = self._pub.update(leaves, v)
             fp = self._pub.fingerprint()
-            bases = self._versions[-self.keep:]
-            last_full = max((x.version for x in bases if x.full is not None), default=0)
+            kept = self._versions[-self.keep:]
+            bases = kept if self.spacing == "each" else \
+                [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0]]
+            last_full = max((x.version for x in kept if x.full is not None), default=0)
             files: list[tuple[str, bytes]] = []
             full_ref = None
             if fresh or v - last_full >= self.full_every:
@@ -145,13 +153,13 @@ class Publisher:
             new = SyncVersion(v, step, fp, full_ref)
             now = time.time()
             index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
-                              (*bases, new), tuple(deltas), None)
+                              (*kept, new), tuple(deltas), None)
             data = encode_index(index, self.key)
             self._write_files(files)
             write_atomic(os.path.join(self.root, INDEX_NAME), data)
             self._remove_unlisted(index, self._index)
             self._index = index
-            self._versions = [*bases, new]
+            self._versions = [*kept, new]
             self.version = v
             self.last_bytes = {("full" if n.startswith(FULL_DIR) else "delta:" + n.split("/")[1][:8].lstrip("0")):
                                len(d) for n, d in files}

@@ -118,7 +118,7 @@ class Subscriber:
         delta = index.delta_from(held.version) if held is not None else None
         self.last_bytes = 0
         if delta is not None:
-            self._load(delta.file, stage, held, latest)
+            self._load(delta.file, stage, index.get(delta.source), latest)
         else:
             full = index.newest_full()
             self._load(full.full, stage, None, full)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from ..torch.fingerprint import remember
 from ..tree import Leaf, flatten
 from .delta import DTYPE_SIZES, ELEMENT_DTYPES
 
-BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _THREADS = 1 << 22  # hash buffers from 4 MiB on every core
 
 
@@ -44,7 +44,7 @@ def leaves_of(model_or_state: Any, what: str = "the model") -> list[Leaf]:
 
 
 def digest(buf: Any) -> str:
-    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
     if view.nbytes >= _THREADS:
         return blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
     return blake3.blake3(view).hexdigest()
@@ -56,17 +56,17 @@ def fingerprint_of(rows: list[tuple[str, str, tuple[int, ...], str]]) -> str:
     return "blake3:" + blake3.blake3(canonical(doc)).hexdigest()
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor (a view, no copy)."""
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    """The bits of a tensor as a flat NumPy integer array (uint8, int16, int32, int64 by element size): a view of a
+    contiguous CPU tensor's memory, else a CPU copy. Equal bits, equal integers; NumPy's indexing and comparisons are
+    single-threaded and fast, where torch's contend for the cores with the training or serving process."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
     flat = t.reshape(-1)
-    if flat.dtype in (torch.bfloat16, torch.float16, torch.bool):
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(b"")
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """A flat integer view of the same bits (bf16/fp16 as int16, fp32 as int32): equal bits, equal integers."""
-    return t.reshape(-1).view(BITS[t.element_size()]) if t.dtype != torch.bool else t.reshape(-1).view(torch.uint8)
+    if not flat.numel():
+        return np.zeros(0, np.uint8)
+    return flat.view(BITS[flat.element_size()]).numpy()
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -77,13 +77,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class Record:
-    """What the publisher last published of one tensor: a CPU copy, and per element the version it last changed
-    in (element dtypes) or the version the whole tensor last changed in (other dtypes)."""
+    """What the publisher last published of one tensor: a private copy of its bits, and per element the version it
+    last changed in (element dtypes) or the version the whole tensor last changed in (other dtypes)."""
 
     dtype: str
     shape: tuple[int, ...]
-    last: torch.Tensor  # flat CPU copy
-    stamp: torch.Tensor | None  # int64 per element, for element dtypes
+    last: np.ndarray  # flat bits
+    stamp: np.ndarray | None  # int32 per element, for element dtypes
     changed: int  # version of the tensor's last change
     digest: str
 
@@ -92,38 +92,33 @@ class Record:
 class Published:
     records: dict[str, Record] = field(default_factory=dict)
 
-    def layout(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [(p, r.dtype, r.shape) for p, r in sorted(self.records.items())]
-
     def fingerprint(self) -> str:
         return fingerprint_of([(p, r.dtype, r.shape, r.digest) for p, r in self.records.items()])
 
     def reset(self, leaves: list[Leaf], version: int) -> None:
         self.records = {}
         for lf in leaves:
-            last = lf.obj.detach().to("cpu", copy=True).contiguous().reshape(-1)
-            stamp = torch.full(last.shape, version, dtype=torch.int64) if lf.dtype in ELEMENT_DTYPES else None
-            self.records[lf.path] = Record(lf.dtype, lf.shape, last, stamp, version, digest(tensor_bytes(last)))
+            last = bits_of(lf.obj).copy()
+            stamp = np.full(last.shape, version, np.int32) if lf.dtype in ELEMENT_DTYPES else None
+            self.records[lf.path] = Record(lf.dtype, lf.shape, last, stamp, version, digest(last))
 
     def update(self, leaves: list[Leaf], version: int) -> int:
-        """Take the new values of ``leaves`` as ``version``; the number of elements that changed."""
+        """Take the new values of ``leaves`` as ``version``; the number of elements whose bits changed."""
         changed = 0
         for lf in leaves:
             r = self.records[lf.path]
-            cur = lf.obj.detach().to("cpu").contiguous().reshape(-1)
+            cur = bits_of(lf.obj)
+            idx = np.flatnonzero(cur != r.last)
+            if not idx.size:
+                continue
             if r.stamp is not None:
-                idx = torch.nonzero(as_bits(cur) != as_bits(r.last)).squeeze(1)
-                if idx.numel():
-                    r.last[idx] = cur[idx]
-                    r.stamp[idx] = version
+                r.last[idx] = cur[idx]
+                r.stamp[idx] = version
             else:
-                idx = torch.nonzero(as_bits(cur) != as_bits(r.last)).squeeze(1)
-                if idx.numel():
-                    r.last.copy_(cur)
-            if idx.numel():
-                r.changed = version
-                r.digest = digest(tensor_bytes(r.last))
-                changed += int(idx.numel())
+                r.last[:] = cur
+            r.changed = version
+            r.digest = digest(r.last)
+            changed += int(idx.size)
         return changed
 
     def delta_parts(self, bases: list[int]) -> dict[int, list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]]:
@@ -134,30 +129,27 @@ class Published:
         for path, r in sorted(self.records.items()):
             if r.changed <= oldest:
                 continue
+            whole = (path, r.dtype, r.shape, None, r.last.view(np.uint8))
             if r.stamp is None:
                 for b in bases:
                     if r.changed > b:
-                        out[b].append((path, r.dtype, r.shape, None, _u8(r.last)))
+                        out[b].append(whole)
                 continue
-            union = torch.nonzero(r.stamp > oldest).squeeze(1)
+            union = np.flatnonzero(r.stamp > oldest)
             when = r.stamp[union]
             size = ELEMENT_DTYPES[r.dtype]
             for b in bases:
                 idx = union[when > b] if b != oldest else union
-                if not idx.numel():
+                if not idx.size:
                     continue
-                if idx.numel() * (size + 1) >= r.last.numel() * size:
-                    out[b].append((path, r.dtype, r.shape, None, _u8(r.last)))
+                if idx.size * (size + 1) >= r.last.size * size:
+                    out[b].append(whole)
                 else:
-                    out[b].append((path, r.dtype, r.shape, idx.numpy(), _u8(r.last[idx])))
+                    out[b].append((path, r.dtype, r.shape, idx, r.last[idx].view(np.uint8)))
         return out
 
     def full_parts(self) -> list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]:
-        return [(p, r.dtype, r.shape, None, _u8(r.last)) for p, r in sorted(self.records.items())]
-
-
-def _u8(t: torch.Tensor) -> np.ndarray:
-    return np.frombuffer(tensor_bytes(t.contiguous()), np.uint8)
+        return [(p, r.dtype, r.shape, None, r.last.view(np.uint8)) for p, r in sorted(self.records.items())]
 
 
 # --------------------------------------------------------------------------------------------------- subscriber
@@ -190,18 +182,16 @@ class Stage:
 
     def add(self, t: Any, idx: np.ndarray | None, values: memoryview) -> None:
         """Stage one tensor's section (already checked by the parser)."""
-        raw = torch.from_numpy(np.frombuffer(values, np.uint8).copy())
-        vals = raw.view(torch_dtype(t.dtype))
+        vals = np.frombuffer(values, BITS_NP[DTYPE_SIZES[t.dtype]]).copy()
         if idx is None:
             self.whole[t.name] = vals
             self.elements.pop(t.name, None)
             return
-        ix = torch.from_numpy(idx)
         base = self.whole.get(t.name)
         if base is not None:  # a delta over a staged full version: change the private copy
-            base[ix] = vals
+            base[idx] = vals
         else:
-            self.elements[t.name] = (ix, vals)
+            self.elements[t.name] = (idx, vals)
 
     def fingerprint(self) -> tuple[str, dict[str, str]]:
         """The fingerprint the live tensors will have after ``write``, and the new digests of the changed ones. A
@@ -211,12 +201,12 @@ class Stage:
         rows = []
         for path, lf in self.leaves.items():
             if path in self.whole:
-                h = digests[path] = digest(tensor_bytes(self.whole[path]))
+                h = digests[path] = digest(self.whole[path])
             elif path in self.elements:
-                ix, vals = self.elements[path]
-                scratch = lf.obj.detach().to("cpu", copy=True).contiguous().reshape(-1)
-                scratch[ix] = vals
-                h = digests[path] = digest(tensor_bytes(scratch))
+                idx, vals = self.elements[path]
+                scratch = bits_of(lf.obj).copy()
+                scratch[idx] = vals
+                h = digests[path] = digest(scratch)
                 del scratch
             else:
                 h = cached_digest(lf)
@@ -224,15 +214,23 @@ class Stage:
         return fingerprint_of(rows), digests
 
     def write(self, digests: dict[str, str]) -> None:
-        """Write the staged values into the live tensors, in place, and hand the new digests to the fingerprint
-        cache."""
+        """Write the staged values into the live tensors, in place (CPU: through a NumPy view of their memory, then
+        their version counters are moved as a torch op would; CUDA: index_put_ / copy_), and hand the new digests
+        to the fingerprint cache."""
         with torch.no_grad():
             for path, vals in self.whole.items():
                 live = self.leaves[path].obj
-                live.view(-1).copy_(vals.to(live.device).view(live.dtype) if vals.dtype != live.dtype
-                                    else vals.to(live.device))
-            for path, (ix, vals) in self.elements.items():
+                live.view(-1).view(BITS[live.element_size()]).copy_(torch.from_numpy(vals).to(live.device))
+            for path, (idx, vals) in self.elements.items():
                 live = self.leaves[path].obj
-                live.view(-1).index_put_((ix.to(live.device),), vals.to(live.device))
+                if live.device.type == "cpu":
+                    bits_of(live)[idx] = vals
+                    torch.autograd.graph.increment_version(live)
+                else:
+                    flat = live.view(-1).view(BITS[live.element_size()])
+                    flat.index_put_((torch.from_numpy(idx).to(live.device),), torch.from_numpy(vals).to(live.device))
         for path in (*self.whole, *self.elements):
             remember(self.leaves[path].obj, digests[path])
+
+
+BITS_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
