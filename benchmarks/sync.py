@@ -1,6 +1,6 @@
 """The `sync` suite (issue 32): live weight sync of an RL-like run to a subscriber in another process.
 
-**The run.** A stack of linear layers (``--quick``: ~4M parameters, 30 steps; else ~25M, 100 steps) trained with
+**The run.** A stack of linear layers (``--quick``: 2.4M parameters, 20 steps; else 8.4M, 100 steps) trained with
 AdamW on fp32 master weights at a small learning rate (3e-7), as RL fine-tuning does; after each optimizer step the
 bf16 copy of the weights (what inference serves) is published with ``luopan.sync.Publisher(dir, key, keep=10, spacing="doubling")`` (deltas from 1, 2, 4, 8 and
 10 versions back) and
@@ -61,7 +61,7 @@ def build(width: int, depth: int, seed: int, dtype: Any) -> Any:
 
 def sizes(quick: bool) -> tuple[int, int, int]:
     """(width, depth, steps)."""
-    return (1024, 4, 30) if quick else (1792, 8, 100)
+    return (768, 4, 20) if quick else (1024, 8, 100)
 
 
 # ---------------------------------------------------------------------------------------------- subscriber process

@@ -95,10 +95,15 @@ def encode_gaps(idx: np.ndarray, pre: tuple[np.ndarray, np.ndarray] | None = Non
     m = int(nbytes.max())
     if m == 1:
         return gaps.astype(np.uint8)
-    cols = np.empty((gaps.size, m), np.uint8)
-    for k in range(m):
-        cols[:, k] = ((gaps >> (7 * k)) & 0x7F) | ((nbytes > k + 1).view(np.uint8) << 7)
-    return cols[np.arange(m, dtype=np.uint8) < nbytes[:, None]]
+    pos = np.cumsum(nbytes, dtype=np.int64)
+    out = np.empty(int(pos[-1]), np.uint8)
+    pos -= nbytes
+    out[pos] = (gaps & 0x7F).astype(np.uint8) | ((nbytes > 1).view(np.uint8) << 7)
+    for k in range(1, m):  # the longer varints only: few at the densities element deltas are chosen for
+        sel = np.flatnonzero(nbytes > k)
+        nb = nbytes[sel]
+        out[pos[sel] + k] = ((gaps[sel] >> (7 * k)) & 0x7F).astype(np.uint8) | ((nb > k + 1).view(np.uint8) << 7)
+    return out
 
 
 def gaps_size(idx: np.ndarray) -> int:
@@ -158,10 +163,10 @@ def decode_bitmap(data: np.ndarray, count: int, numel: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------------ files
 
-def encode_delta(source: int | None, target: int, base: str | None, result: str,
-                 parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, np.ndarray]]) -> bytes:
-    """The file of a delta: ``parts`` are (name, dtype, shape, ascending flat indices or None for the whole tensor,
-    the carried elements' bytes as uint8)."""
+def encode_body(parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, np.ndarray]]
+                ) -> tuple[list[dict[str, Any]], int, bytes]:
+    """(the header's tensors, body_size, the zstd frame) of a delta's ``parts``: (name, dtype, shape, ascending flat
+    indices or None for the whole tensor, the carried elements' bytes as uint8)."""
     tensors, body = [], []
     for name, dtype, shape, idx, values in parts:
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -177,10 +182,22 @@ def encode_delta(source: int | None, target: int, base: str | None, result: str,
                         "shape": list(shape), "value_bytes": int(values.size)})
         body += [index, values]
     raw = b"".join(memoryview(np.ascontiguousarray(b)).cast("B") for b in body)
-    header = canonical({"base": base, "body_size": len(raw), "format": FORMAT, "format_version": FORMAT_VERSION,
+    return tensors, len(raw), zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw)
+
+
+def assemble(source: int | None, target: int, base: str | None, result: str,
+             body: tuple[list[dict[str, Any]], int, bytes]) -> bytes:
+    """The delta file: magic, header, the frame of ``encode_body``."""
+    tensors, size, frame = body
+    header = canonical({"base": base, "body_size": size, "format": FORMAT, "format_version": FORMAT_VERSION,
                         "from": source, "result": result, "tensors": tensors, "to": target})
-    frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw)
     return MAGIC + struct.pack("<I", len(header)) + header + frame
+
+
+def encode_delta(source: int | None, target: int, base: str | None, result: str,
+                 parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, np.ndarray]]) -> bytes:
+    """The file of a delta (``encode_body``, ``assemble``)."""
+    return assemble(source, target, base, result, encode_body(parts))
 
 
 def parse_header(data: bytes | memoryview, where: str = "delta") -> DeltaHeader:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 import time
 from typing import Any
 
@@ -32,11 +33,12 @@ from ..errors import UsageError
 from ..format.names import is_run_name
 from ..signing import SigningKey, load_signing_key
 from ..units import parse_duration
-from .delta import encode_delta
+from .delta import assemble, encode_body
 from .index import INDEX_NAME, SyncDelta, SyncIndex, SyncVersion, encode_index, parse_index
 from .tensors import Published, leaves_of
 
 FULL_DIR, DELTA_DIR, SUFFIX = "full", "deltas", ".lpsync"
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="luopan-sync")  # BLAKE3, NumPy and zstd release the GIL
 TMP_MARK = ".tmp-"
 
 
@@ -130,26 +132,30 @@ class Publisher:
                 self.changed = sum(int(lf.obj.numel()) for lf in leaves)
             else:
                 self.changed = self._pub.update(leaves, v)
-            fp = self._pub.fingerprint()
             kept = self._versions[-self.keep:]
             bases = kept if self.spacing == "each" else \
                 [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0]]
             last_full = max((x.version for x in kept if x.full is not None), default=0)
+            want_full = fresh or v - last_full >= self.full_every
+            # the changed tensors are hashed (the new fingerprint) while the delta bodies are encoded
+            hashing = _POOL.submit(self._pub.rehash)
+            parts = self._pub.delta_parts([b.version for b in bases]) if bases else {}
+            bodies = list(_POOL.map(encode_body, [parts[b.version] for b in bases]))
+            full_body = encode_body(self._pub.full_parts()) if want_full else None
+            fp = hashing.result()
             files: list[tuple[str, bytes]] = []
             full_ref = None
-            if fresh or v - last_full >= self.full_every:
-                data = encode_delta(None, v, None, fp, self._pub.full_parts())
+            if full_body is not None:
+                data = assemble(None, v, None, fp, full_body)
                 full_ref = _ref(f"{FULL_DIR}/{v:08d}-{fp[7:23]}{SUFFIX}", data)
                 files.append((full_ref.name, data))
             deltas = []
-            if bases:
-                parts = self._pub.delta_parts([b.version for b in bases])
-                for b in bases:
-                    data = encode_delta(b.version, v, b.fingerprint, fp, parts[b.version])
-                    ref = _ref(f"{DELTA_DIR}/{b.version:08d}-{v:08d}-{blake3.blake3(data).hexdigest()[:16]}{SUFFIX}",
-                               data)
-                    files.append((ref.name, data))
-                    deltas.append(SyncDelta(b.version, v, ref))
+            for b, body in zip(bases, bodies):
+                data = assemble(b.version, v, b.fingerprint, fp, body)
+                ref = _ref(f"{DELTA_DIR}/{b.version:08d}-{v:08d}-{blake3.blake3(data).hexdigest()[:16]}{SUFFIX}",
+                           data)
+                files.append((ref.name, data))
+                deltas.append(SyncDelta(b.version, v, ref))
             new = SyncVersion(v, step, fp, full_ref)
             now = time.time()
             index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
@@ -166,29 +172,35 @@ class Publisher:
         return v
 
     def _write_files(self, files: list[tuple[str, bytes]]) -> None:
-        """Write each file to a temporary name, fsync it, rename it into place; then fsync the directories."""
-        placed = []
+        """Write each file to a temporary name and fsync it (on two threads: the syncs overlap), rename each into
+        place, then fsync the directories."""
+        def write(item: tuple[str, bytes]) -> str:
+            name, data = item
+            tmp = f"{os.path.join(self.root, name)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _unlink(tmp)
+                raise
+            os.close(fd)
+            return tmp
+
+        futures = [_POOL.submit(write, item) for item in files]
         try:
-            for name, data in files:
-                path = os.path.join(self.root, name)
-                tmp = f"{path}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                placed.append(tmp)
-                os.replace(tmp, path)
-                placed[-1] = path
+            temps = [f.result() for f in futures]
+            for (name, _data), tmp in zip(files, temps):
+                os.replace(tmp, os.path.join(self.root, name))
             for sub in {n.split("/")[0] for n, _d in files}:
                 fsync_dir(os.path.join(self.root, sub))
         except OSError as exc:
-            for p in placed:
-                if TMP_MARK in p:
-                    _unlink(p)
+            for f in futures:
+                if f.exception() is None and os.path.exists(f.result()):
+                    _unlink(f.result())
             raise write_error(exc, self.root, "the previous index and its files are unchanged") from None
 
     def _remove_unlisted(self, index: SyncIndex, prev: SyncIndex | None) -> None:

@@ -103,8 +103,10 @@ class Published:
             self.records[lf.path] = Record(lf.dtype, lf.shape, last, stamp, version, digest(last))
 
     def update(self, leaves: list[Leaf], version: int) -> int:
-        """Take the new values of ``leaves`` as ``version``; the number of elements whose bits changed."""
+        """Take the new values of ``leaves`` as ``version``; the number of elements whose bits changed. The changed
+        tensors' digests are left to ``rehash`` (run beside the encoding)."""
         changed = 0
+        self.stale: list[Record] = []
         for lf in leaves:
             r = self.records[lf.path]
             cur = bits_of(lf.obj)
@@ -117,9 +119,16 @@ class Published:
             else:
                 r.last[:] = cur
             r.changed = version
-            r.digest = digest(r.last)
+            self.stale.append(r)
             changed += int(idx.size)
         return changed
+
+    def rehash(self) -> str:
+        """Digest the tensors ``update`` changed; the fingerprint of the published state."""
+        for r in getattr(self, "stale", []):
+            r.digest = digest(r.last)
+        self.stale = []
+        return self.fingerprint()
 
     def delta_parts(self, bases: list[int]) -> dict[int, list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]]:
         """For each base version: the parts of the delta from it (luopan.sync.delta.encode_delta), the elements
