@@ -340,3 +340,33 @@ def test_other_model_is_refused(tmp_path):
     with pytest.raises(LayoutMismatchError):
         luopan.sync.Subscriber(tmp_path / "ch").update(worker)
     assert torch.equal(worker.weight, before)
+
+
+def test_subscriber_over_http(tmp_path, keys, monkeypatch):
+    """The target directory served as it is by a real nginx: the subscriber reads index and deltas over HTTP."""
+    from .nginx import NGINX, Nginx
+
+    if NGINX is None:
+        pytest.skip("nginx is not installed (make setup installs it): the HTTP subscriber needs a web server")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, ",".join(filter(None, [os.environ.get(name), "127.0.0.1", "localhost"])))
+    key, trusted, _ = keys
+    site = tmp_path / "site"
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(site / "ch", key=key, keep=3)
+    with Nginx(str(site)) as web:
+        sub = luopan.sync.Subscriber(web.url + "/ch", trusted_keys=trusted)
+        for step in range(5):
+            train_step(trainer, step)
+            v = pub.publish(step, trainer)
+            assert sub.update(worker) == v and bits(worker) == bits(trainer)
+        paths = [r[0] for r in web.requests()]
+        assert paths.count("/ch/index.json") == 5 and sum(p.startswith("/ch/deltas/") for p in paths) == 4
+        train_step(trainer, 5)  # a damaged file on the server: refused, the model untouched
+        pub.publish(5, trainer)
+        path = _newest_delta(site / "ch")
+        open(path, "r+b").write(b"\0" * 16)
+        before = bits(worker)
+        with pytest.raises(CorruptDownloadError):
+            sub.update(worker)
+        assert bits(worker) == before
