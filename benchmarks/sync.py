@@ -2,9 +2,9 @@
 
 **The run.** A stack of linear layers (``--quick``: 2.4M parameters, 20 steps; else 8.4M, 100 steps) trained with
 AdamW on fp32 master weights at a small learning rate (3e-7), as RL fine-tuning does; after each optimizer step the
-bf16 copy of the weights (what inference serves) is published with ``luopan.sync.Publisher(dir, key, keep=10, spacing="doubling")`` (deltas from 1, 2, 4, 8 and
-10 versions back) and
-a subscriber in a second process (``luopan.sync.Subscriber(dir, trusted_keys)``) applies it in place to its live bf16
+bf16 copy of the weights (what inference serves) is published with
+``luopan.sync.Publisher(dir, key, keep=10, spacing="doubling")`` (deltas from 1, 2, 4, 8 and 10 versions back) and a
+subscriber in a second process (``luopan.sync.Subscriber(dir, trusted_keys)``) applies it in place to its live bf16
 model. The peer in the same run: ``safetensors.torch.save_file`` of the bf16 state each step in the trainer, and
 ``model.load_state_dict(safetensors.torch.load_file(...))`` of that file in the subscriber process.
 

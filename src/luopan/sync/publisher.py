@@ -50,9 +50,10 @@ class Publisher:
     each of the last ``keep`` versions, so a subscriber that missed up to ``keep - 1`` publishes catches up in one
     fetch. ``full_every``: a full version at the first publish and then every so many (at most ``keep``, so a new
     subscriber always finds a full version and one delta from it). ``spacing="doubling"`` writes deltas only from the
-    versions 1, 2, 4, … and ``keep`` publishes back (log2(keep) deltas a publish instead of keep): a delta from version
-    b carries every element changed since b, so it serves a subscriber holding any version from b on. ``expires``: how long an index stays valid (a
-    subscriber refuses an expired one: publish at least that often). ``channel``: the name subscribers check."""
+    versions 1, 2, 4, … and ``keep`` publishes back (log2(keep) deltas a publish instead of keep): a delta from
+    version b carries every element changed since b, so it serves a subscriber holding any version from b on.
+    ``expires``: how long an index stays valid (a subscriber refuses an expired one: publish at least that often).
+    ``channel``: the name subscribers check."""
 
     def __init__(self, target: str | os.PathLike[str], key: SigningKey | str | os.PathLike[str] | None = None,
                  keep: int = 8, full_every: int | None = None, channel: str = "sync",
