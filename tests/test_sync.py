@@ -370,3 +370,16 @@ def test_subscriber_over_http(tmp_path, keys, monkeypatch):
         with pytest.raises(CorruptDownloadError):
             sub.update(worker)
         assert bits(worker) == before
+
+
+def test_two_publishers_on_one_target_are_refused(tmp_path):
+    from luopan.errors import UsageError
+
+    trainer = make_model(0)
+    a = luopan.sync.Publisher(tmp_path / "ch")
+    a.publish(0, trainer)
+    b = luopan.sync.Publisher(tmp_path / "ch")  # continues from the index: version 2 next
+    assert b.publish(1, trainer) == 2
+    with pytest.raises(UsageError, match="another Publisher"):
+        a.publish(2, trainer)
+    assert luopan.sync.Subscriber(tmp_path / "ch").update(make_model(1)) == 2

@@ -125,6 +125,13 @@ class Publisher:
         leaves = leaves_of(model_or_state)
         layout = [(lf.path, lf.dtype, tuple(lf.shape)) for lf in leaves]
         with publish_lock(self.root):
+            on_disk = self._read_index()
+            if (on_disk.version if on_disk is not None else 0) != self.version:
+                raise UsageError(
+                    f"the live-sync index in {self.root} is at version "
+                    f"{on_disk.version if on_disk is not None else 'none'}, not {self.version} as this Publisher "
+                    "left it: another Publisher published there (or the directory was changed). One Publisher per "
+                    "target: make a new Publisher to continue from what is there")
             v = self.version + 1
             fresh = layout != self._layout or v >= 2**31 - 1  # per-element stamps are int32
             if fresh:  # first publish, or the model's tensors changed: only a full version this time
