@@ -12,6 +12,7 @@
     python benchmarks/run.py --suite agent [--quick] [--json OUT]                           (J1, J2, I1, I2)
     python benchmarks/run.py --suite scale [--quick] [--json OUT]                           (SC1-SC8)
     python benchmarks/run.py --suite stacks [--quick] [--json OUT]                          (E1, E2, E3)
+    python benchmarks/run.py --suite sync [--quick] [--json OUT]                            (SY1-SY5)
 
 Runs in one process, alternating peer and luopan measurements, and prints medians and ratios. Exits 0 whether or
 not the goals are met (the table and the JSON say which are missed); exits non-zero only when it cannot run.
@@ -42,6 +43,7 @@ import incremental  # noqa: E402
 import patch  # noqa: E402
 import scale  # noqa: E402
 import stacks  # noqa: E402
+import sync  # noqa: E402
 import tiers  # noqa: E402
 
 QUICK_SIZE_MIB = 256
@@ -50,7 +52,7 @@ DEFAULT_SIZE_MIB = 1024
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts", "dist", "patch", "agent", "scale", "stacks"], default="foundation")
+    ap.add_argument("--suite", choices=["foundation", "incremental", "tiers", "artifacts", "dist", "patch", "agent", "scale", "stacks", "sync"], default="foundation")
     ap.add_argument("--size-mib", type=int, default=None,
                     help=f"state size in MiB (default {DEFAULT_SIZE_MIB}; {QUICK_SIZE_MIB} with --quick)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE_MIB} MiB state, fewer cold repetitions")
@@ -216,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return _finish(scale.run_scale(args.quick, args.workdir, log), scale.print_report, args, argv, log)
     if args.suite == "stacks":  # the tests' tiny runs of each stack: no --size-mib
         return _finish(stacks.run_stacks(args.quick, args.workdir, log), stacks.print_report, args, argv, log)
+    if args.suite == "sync":  # live weight sync to a subscriber process (SY1-SY5): its own sizes, no --size-mib
+        return _finish(sync.run_sync(args.quick, args.workdir, log), sync.print_report, args, argv, log)
     if args.suite == "agent":
         report = agent.run_agent(args.quick, args.reps, args.workdir, log)
         return _finish(report, agent.print_report, args, argv, log)

@@ -38,6 +38,21 @@ def cache_clear() -> None:
 fingerprint.cache_clear = cache_clear  # type: ignore[attr-defined]
 
 
+def remember(t: Any, digest: str) -> None:
+    """Record ``digest`` (BLAKE3 hex of its bytes) as the digest of tensor ``t`` as it is now: for a writer that
+    knows what it wrote (luopan.sync hashes a staged copy before writing it in place), so the next fingerprint does
+    not hash the tensor again. Any later in-place change moves the version counter and is hashed anew."""
+    if t.is_inference() or not t.numel():
+        return
+    storage = t.untyped_storage()
+    key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device),
+           t.is_conj(), t.is_neg())
+    try:
+        _cache[key] = (weakref.ref(storage), t._version, digest)
+    except TypeError:
+        pass
+
+
 def _digest(leaf: Any) -> str:
     t = leaf.obj
     key = None

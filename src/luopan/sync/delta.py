@@ -1,0 +1,356 @@
+"""The live-sync delta file (docs/format.md §19.1): the elements of a set of tensors that changed from one published
+version to the next, or every element (a full version).
+
+    magic "LPSYNC\\x00\\x01" | u32 LE header length | header (canonical JSON) | one zstd frame: the body
+
+The body is, for each tensor of the header in order, its index section then its value section. A tensor is coded
+``gaps`` (the changed elements' flat indices, ascending, as LEB128 varints of the gap to the previous one — the first
+from 0), ``bitmap`` (one bit per element, little-endian bit order, set where it changed) or ``whole`` (no index, every
+element); values are the new elements' raw little-endian bytes. Encoding and decoding are vectorised (NumPy), never
+a Python loop per element. The parser is strict: every member's type and range, every section's size, the frame's
+declared size, canonical varints, strictly ascending indices below the tensor's element count — a hostile file is a
+CorruptDownloadError before anything is sized by it beyond the declared (and checked) sizes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ..errors import CorruptDownloadError, UnsupportedFormatError
+from ..format.canonical import SealError, canonical, parse_object
+from ..format.limits import MAX_NDIM, shape_fits
+
+MAGIC = b"LPSYNC\x00\x01"
+FORMAT = "luopan-sync-delta"
+FORMAT_VERSION = 1
+MAX_HEADER = 16 << 20
+MAX_TENSORS = 100_000
+MAX_NAME = 4096
+MAX_VARINT = 8  # bytes: 56 bits, beyond any element count (shape_fits bounds a tensor to 2**48 elements)
+MAX_VERSION = 1 << 53
+# dtypes a delta carries element by element; any other dtype is carried whole (still bit-exact)
+ELEMENT_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+MODES = ("gaps", "bitmap", "whole")
+HEADER_MEMBERS = {"base", "body_size", "format", "format_version", "from", "result", "tensors", "to"}
+TENSOR_MEMBERS = {"count", "dtype", "index_bytes", "mode", "name", "shape", "value_bytes"}
+FP_LEN = len("blake3:") + 64
+_ZSTD_LEVEL = 1
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    mode: str  # gaps | bitmap | whole
+    count: int  # elements carried
+    index_bytes: int
+    value_bytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    source: int | None  # the version it applies to (None: a full version, applies to anything)
+    target: int
+    base: str | None  # fingerprint of the tensors it applies to
+    result: str  # fingerprint of the tensors after it
+    tensors: tuple[TensorDelta, ...]
+    body_size: int
+    body_offset: int  # where the zstd frame starts in the file
+
+
+# ---------------------------------------------------------------------------------------------------- indices
+
+def _gaps(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(gaps, varint length of each) of ascending flat indices."""
+    gaps = np.diff(idx, prepend=0).astype(np.uint64 if idx.size and int(idx[-1]) >= 1 << 32 else np.uint32)
+    nbytes = np.ones(gaps.shape, np.uint8)
+    top = int(gaps.max()) if gaps.size else 0
+    for k in range(1, MAX_VARINT):
+        if top < 1 << (7 * k):
+            break
+        nbytes += gaps >= (1 << (7 * k))
+    return gaps, nbytes
+
+
+def encode_gaps(idx: np.ndarray, pre: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """LEB128 varints of the gaps of ascending flat indices (the first from 0), as uint8."""
+    if not idx.size:
+        return np.zeros(0, np.uint8)
+    gaps, nbytes = pre if pre is not None else _gaps(idx)
+    m = int(nbytes.max())
+    if m == 1:
+        return gaps.astype(np.uint8)
+    pos = np.cumsum(nbytes, dtype=np.int64)
+    out = np.empty(int(pos[-1]), np.uint8)
+    pos -= nbytes
+    out[pos] = (gaps & 0x7F).astype(np.uint8) | ((nbytes > 1).view(np.uint8) << 7)
+    for k in range(1, m):  # the longer varints only: few at the densities element deltas are chosen for
+        sel = np.flatnonzero(nbytes > k)
+        nb = nbytes[sel]
+        out[pos[sel] + k] = ((gaps[sel] >> (7 * k)) & 0x7F).astype(np.uint8) | ((nb > k + 1).view(np.uint8) << 7)
+    return out
+
+
+def gaps_size(idx: np.ndarray) -> int:
+    """The length of ``encode_gaps(idx)`` without building it."""
+    return int(_gaps(idx)[1].sum(dtype=np.int64)) if idx.size else 0
+
+
+def decode_gaps(data: np.ndarray, count: int, numel: int) -> np.ndarray:
+    """The ascending flat indices coded in ``data`` (uint8); ValueError for anything but exactly ``count`` canonical
+    varints of strictly ascending indices below ``numel``."""
+    if count == 0:
+        if data.size:
+            raise ValueError("an index section of bytes for no element")
+        return np.zeros(0, np.int64)
+    if not data.size or data[-1] & 0x80:
+        raise ValueError("the index section ends inside a varint")
+    ends = np.flatnonzero(data < 0x80)
+    if ends.size != count:
+        raise ValueError(f"the index section holds {ends.size} varints, not {count}")
+    lengths = np.diff(ends, prepend=-1)
+    if int(lengths.max()) > MAX_VARINT:
+        raise ValueError(f"a varint is longer than {MAX_VARINT} bytes")
+    multi = lengths > 1
+    if multi.any() and not data[ends[multi]].all():
+        raise ValueError("a varint is not in its shortest form")
+    starts = ends - lengths + 1
+    group = np.repeat(np.arange(count), lengths)
+    shift = (np.arange(data.size) - starts[group]).astype(np.uint64) * np.uint64(7)
+    gaps = np.add.reduceat((data & 0x7F).astype(np.uint64) << shift, starts)
+    if int(gaps.max()) >= numel:
+        raise ValueError(f"a gap is beyond the tensor's {numel} elements")
+    idx = np.cumsum(gaps.astype(np.int64))  # each gap < numel <= 2**48: no overflow below 2**15 gaps of 2**48
+    if idx.size > 1 and not (idx[1:] > idx[:-1]).all():
+        raise ValueError("the indices are not strictly ascending")
+    if int(idx[-1]) >= numel or int(idx[0]) < 0:
+        raise ValueError(f"an index is beyond the tensor's {numel} elements")
+    return idx
+
+
+def encode_bitmap(idx: np.ndarray, numel: int) -> np.ndarray:
+    bits = np.zeros(numel, np.bool_)
+    bits[idx] = True
+    return np.packbits(bits, bitorder="little")
+
+
+def decode_bitmap(data: np.ndarray, count: int, numel: int) -> np.ndarray:
+    if data.size != (numel + 7) // 8:
+        raise ValueError(f"a bitmap of {data.size} bytes for {numel} elements")
+    bits = np.unpackbits(data, bitorder="little")
+    if bits[numel:].any():
+        raise ValueError("the bitmap sets bits beyond the tensor's elements")
+    idx = np.flatnonzero(bits[:numel])
+    if idx.size != count:
+        raise ValueError(f"the bitmap sets {idx.size} bits, not {count}")
+    return idx.astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------------------ files
+
+def encode_body(parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, np.ndarray]]
+                ) -> tuple[list[dict[str, Any]], int, bytes]:
+    """(the header's tensors, body_size, the zstd frame) of a delta's ``parts``: (name, dtype, shape, ascending flat
+    indices or None for the whole tensor, the carried elements' bytes as uint8)."""
+    tensors, body = [], []
+    for name, dtype, shape, idx, values in parts:
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if idx is None:
+            mode, count, index = "whole", numel, np.zeros(0, np.uint8)
+        else:
+            count = int(idx.size)
+            bitmap = (numel + 7) // 8
+            pre = _gaps(idx)
+            mode = "bitmap" if bitmap < int(pre[1].sum(dtype=np.int64)) else "gaps"
+            index = encode_bitmap(idx, numel) if mode == "bitmap" else encode_gaps(idx, pre)
+        tensors.append({"count": count, "dtype": dtype, "index_bytes": int(index.size), "mode": mode, "name": name,
+                        "shape": list(shape), "value_bytes": int(values.size)})
+        body += [index, values]
+    raw = b"".join(memoryview(np.ascontiguousarray(b)).cast("B") for b in body)
+    return tensors, len(raw), zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw)
+
+
+def assemble(source: int | None, target: int, base: str | None, result: str,
+             body: tuple[list[dict[str, Any]], int, bytes]) -> bytes:
+    """The delta file: magic, header, the frame of ``encode_body``."""
+    tensors, size, frame = body
+    header = canonical({"base": base, "body_size": size, "format": FORMAT, "format_version": FORMAT_VERSION,
+                        "from": source, "result": result, "tensors": tensors, "to": target})
+    return MAGIC + struct.pack("<I", len(header)) + header + frame
+
+
+def encode_delta(source: int | None, target: int, base: str | None, result: str,
+                 parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, np.ndarray]]) -> bytes:
+    """The file of a delta (``encode_body``, ``assemble``)."""
+    return assemble(source, target, base, result, encode_body(parts))
+
+
+def parse_header(data: bytes | memoryview, where: str = "delta") -> DeltaHeader:
+    """The header of a delta file, every member checked (CorruptDownloadError; UnsupportedFormatError for a newer
+    format_version)."""
+    try:
+        return _parse_header(memoryview(data), where)
+    except (ValueError, SealError) as exc:
+        raise CorruptDownloadError(f"live-sync delta {where} is refused: {exc}. Nothing was applied") from None
+
+
+def _parse_header(data: memoryview, where: str) -> DeltaHeader:
+    if len(data) < len(MAGIC) + 4 or bytes(data[:len(MAGIC)]) != MAGIC:
+        raise ValueError("it does not start with the live-sync delta magic")
+    (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
+    start = len(MAGIC) + 4
+    if hlen > MAX_HEADER or start + hlen > len(data):
+        raise ValueError(f"its header length {hlen} is beyond the file or over {MAX_HEADER} bytes")
+    raw = bytes(data[start:start + hlen])
+    doc = parse_object(raw)
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"its format is not {FORMAT!r}")
+    fv = doc.get("format_version")
+    if _is_int(fv) and fv > FORMAT_VERSION:
+        raise UnsupportedFormatError(f"live-sync delta {where} has format_version {fv}, newer than this luopan reads "
+                                     f"({FORMAT_VERSION}); upgrade luopan on the subscriber")
+    _members(doc, HEADER_MEMBERS, "the header")
+    if fv != FORMAT_VERSION:
+        raise ValueError(f"format_version is not {FORMAT_VERSION}")
+    if canonical(doc) != raw:
+        raise ValueError("its header is not canonical JSON")
+    target = _int(doc["to"], "to", 1, MAX_VERSION)
+    source = None if doc["from"] is None else _int(doc["from"], "from", 1, target - 1)
+    base = None if doc["base"] is None else _fp(doc["base"], "base")
+    if (source is None) != (base is None):
+        raise ValueError("from and base are not both set (a delta) or both null (a full version)")
+    result = _fp(doc["result"], "result")
+    items = doc["tensors"]
+    if not isinstance(items, list) or len(items) > MAX_TENSORS:
+        raise ValueError(f"tensors is not a list of at most {MAX_TENSORS}")
+    tensors = tuple(_tensor(t, full=source is None) for t in items)
+    names = [t.name for t in tensors]
+    if names != sorted(set(names)):
+        raise ValueError("tensor names are not unique and in ascending order")
+    body = _int(doc["body_size"], "body_size", 0, 1 << 50)
+    if body != sum(t.index_bytes + t.value_bytes for t in tensors):
+        raise ValueError("body_size is not the sum of the tensors' sections")
+    return DeltaHeader(source, target, base, result, tensors, body, start + hlen)
+
+
+def _tensor(t: Any, full: bool) -> TensorDelta:
+    _members(t, TENSOR_MEMBERS, "a tensor")
+    name = t["name"]
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise ValueError("a tensor name is not a string of 1-4096 characters")
+    dtype = t["dtype"]
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"tensor {name[:80]!r} has dtype {str(dtype)[:20]!r}, not one of {sorted(DTYPE_SIZES)}")
+    shape = t["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(d) and d >= 0 for d in shape) or \
+            not shape_fits(tuple(shape), DTYPE_SIZES[dtype]):
+        raise ValueError(f"tensor {name[:80]!r} has an invalid shape")
+    td = TensorDelta(name, dtype, tuple(shape), t["mode"], _int(t["count"], "count", 0, 1 << 48),
+                     _int(t["index_bytes"], "index_bytes", 0, 1 << 50), _int(t["value_bytes"], "value_bytes", 0,
+                                                                             1 << 50))
+    n, size = td.numel, DTYPE_SIZES[dtype]
+    if td.mode not in MODES or (full and td.mode != "whole"):
+        raise ValueError(f"tensor {name[:80]!r} has mode {str(td.mode)[:20]!r}"
+                         + (" in a full version (only 'whole')" if full else ""))
+    if td.mode != "whole" and dtype not in ELEMENT_DTYPES:
+        raise ValueError(f"tensor {name[:80]!r} of dtype {dtype} is coded by element, which only "
+                         f"{sorted(ELEMENT_DTYPES)} are")
+    if td.value_bytes != td.count * size:
+        raise ValueError(f"tensor {name[:80]!r}: value_bytes is not count x {size}")
+    if td.mode == "whole":
+        ok = td.count == n and td.index_bytes == 0
+    elif td.mode == "bitmap":
+        ok = 0 < td.count <= n and td.index_bytes == (n + 7) // 8
+    else:
+        ok = 0 < td.count <= n and td.count <= td.index_bytes <= min(MAX_VARINT * td.count, (n + 7) // 8 or 1)
+    if not ok:
+        raise ValueError(f"tensor {name[:80]!r}: count {td.count} and index_bytes {td.index_bytes} do not fit mode "
+                         f"{td.mode} and {n} elements")
+    return td
+
+
+def read_body(data: bytes | memoryview, header: DeltaHeader, where: str = "delta",
+              max_body: int | None = None) -> memoryview:
+    """The body of a delta file whose header is ``header``: exactly one zstd frame declaring and holding
+    ``body_size`` bytes, nothing after it. ``max_body``: refuse a larger declared body before decompressing (a
+    subscriber checks the header's tensors against its own first, which bounds the body by the model's size)."""
+    frame = memoryview(data)[header.body_offset:]
+    try:
+        if max_body is not None and header.body_size > max_body:
+            raise ValueError(f"its body of {header.body_size} bytes is over the limit of {max_body}")
+        declared = zstandard.frame_content_size(frame)
+        if declared != header.body_size:
+            raise ValueError(f"its zstd frame declares {declared} bytes, not the header's body_size "
+                             f"{header.body_size}")
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(1, header.body_size),
+                                                      allow_extra_data=False)
+    except (ValueError, zstandard.ZstdError) as exc:
+        raise CorruptDownloadError(f"live-sync delta {where} is refused: {exc}. Nothing was applied") from None
+    if len(out) != header.body_size:
+        raise CorruptDownloadError(f"live-sync delta {where} is refused: its body is {len(out)} bytes, not "
+                                   f"{header.body_size}. Nothing was applied")
+    return memoryview(out)
+
+
+def sections(body: memoryview, header: DeltaHeader, where: str = "delta"
+             ) -> list[tuple[TensorDelta, np.ndarray | None, memoryview]]:
+    """For each tensor: (its entry, its flat indices — None when whole —, its values' bytes); CorruptDownloadError
+    for an index section that does not hold what the header says."""
+    out, at = [], 0
+    for t in header.tensors:
+        index = np.frombuffer(body, np.uint8, t.index_bytes, at)
+        at += t.index_bytes
+        values = body[at:at + t.value_bytes]
+        at += t.value_bytes
+        try:
+            idx = None if t.mode == "whole" else (decode_gaps(index, t.count, t.numel) if t.mode == "gaps" else
+                                                  decode_bitmap(index, t.count, t.numel))
+        except ValueError as exc:
+            raise CorruptDownloadError(f"live-sync delta {where} is refused: tensor {t.name[:80]!r}: {exc}. "
+                                       "Nothing was applied") from None
+        out.append((t, idx, values))
+    return out
+
+
+def parse_delta(data: bytes, where: str = "delta", max_body: int | None = None
+                ) -> tuple[DeltaHeader, list[tuple[TensorDelta, Any, Any]]]:
+    """Header and decoded sections of a whole delta file (what the fuzz tests feed)."""
+    header = parse_header(data, where)
+    return header, sections(read_body(data, header, where, max_body), header, where)
+
+
+def _members(obj: Any, members: set[str], what: str) -> None:
+    if not isinstance(obj, dict) or set(obj) != members:
+        raise ValueError(f"{what} does not have exactly the members {sorted(members)}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(x: Any, what: str, lo: int, hi: int) -> int:
+    if not _is_int(x) or not lo <= x <= hi:
+        raise ValueError(f"{what} is {str(x)[:30]}, not an integer from {lo} to {hi}")
+    return int(x)
+
+
+def _fp(x: Any, what: str) -> str:
+    if not isinstance(x, str) or len(x) != FP_LEN or not x.startswith("blake3:") or \
+            any(c not in "0123456789abcdef" for c in x[7:]):
+        raise ValueError(f"{what} is not 'blake3:' and 64 hex digits")
+    return x

@@ -1,0 +1,231 @@
+"""``luopan.sync.Publisher``: publish a training process's weights after each step to a sync target (docs/format.md
+§19), for subscribers to apply in place.
+
+A target is a directory (a shared filesystem, or the root of any static web server):
+
+    index.json                                  signed index, written last (luopan.sync.index)
+    full/00000001-1a2b3c4d5e6f7a8b.lpsync       a full version: every tensor whole (at the start, then every
+                                                ``full_every`` publishes)
+    deltas/00000007-00000009-9c8d….lpsync        a delta from each of the last ``keep`` versions to the newest
+
+Write order: the new files are written to temporary names, fsynced, renamed into place and their directories fsynced;
+then the index naming them replaces the old one (temp, fsync, rename, fsync); only then are files that neither the
+new index nor the one it replaced names removed, so a subscriber that read the previous index still finds its file.
+A killed or interrupted publish leaves the previous index and its files as they were (temporary files are removed
+by the next Publisher on the target). The publisher keeps one CPU copy of the last published weights and, per
+element, the version it last changed in: a delta from any of the last ``keep`` versions is a comparison away.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+import time
+from typing import Any
+
+import blake3
+
+from .._files import fsync_dir, make_dirs, write_atomic, write_error
+from ..channel.files import publish_lock
+from ..channel.index import FileRef, format_time
+from ..errors import UsageError
+from ..format.names import is_run_name
+from ..signing import SigningKey, load_signing_key
+from ..units import parse_duration
+from .delta import assemble, encode_body
+from .index import INDEX_NAME, SyncDelta, SyncIndex, SyncVersion, encode_index, parse_index
+from .tensors import Published, leaves_of
+
+FULL_DIR, DELTA_DIR, SUFFIX = "full", "deltas", ".lpsync"
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="luopan-sync")  # BLAKE3, NumPy and zstd release the GIL
+TMP_MARK = ".tmp-"
+
+
+class Publisher:
+    """Publish weights to ``target`` (a directory) as a signed, versioned live-sync channel.
+
+    ``key``: an Ed25519 SigningKey (or the path of a ``.key`` file, luopan key gen) that signs every index; None
+    publishes unsigned indexes (only subscribers without trusted keys accept them). ``keep``: deltas are written from
+    each of the last ``keep`` versions, so a subscriber that missed up to ``keep - 1`` publishes catches up in one
+    fetch. ``full_every``: a full version at the first publish and then every so many (at most ``keep``, so a new
+    subscriber always finds a full version and one delta from it). ``spacing="doubling"`` writes deltas only from the
+    versions 1, 2, 4, … and ``keep`` publishes back (log2(keep) deltas a publish instead of keep): a delta from
+    version b carries every element changed since b, so it serves a subscriber holding any version from b on.
+    ``expires``: how long an index stays valid (a subscriber refuses an expired one: publish at least that often).
+    ``channel``: the name subscribers check."""
+
+    def __init__(self, target: str | os.PathLike[str], key: SigningKey | str | os.PathLike[str] | None = None,
+                 keep: int = 8, full_every: int | None = None, channel: str = "sync",
+                 expires: str | float = "7d", spacing: str = "each") -> None:
+        if isinstance(target, str) and "://" in target and not target.startswith("file://"):
+            raise UsageError(f"sync target {target!r}: a Publisher writes to a directory (serve that directory over "
+                             "HTTP for subscribers elsewhere); object-store targets are not supported yet")
+        self.root = os.path.abspath(os.fspath(target)[7:] if os.fspath(target).startswith("file://")
+                                    else os.fspath(target))
+        self.key = key if key is None or isinstance(key, SigningKey) else load_signing_key(key)
+        if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 1000:
+            raise UsageError(f"keep={keep!r}: keep is the number of versions to write deltas from, 1 to 1000")
+        full_every = keep if full_every is None else full_every
+        if not isinstance(full_every, int) or not 1 <= full_every <= keep:
+            raise UsageError(f"full_every={full_every!r} must be from 1 to keep ({keep}): a new subscriber needs a "
+                             "full version with a delta from it to the newest")
+        if spacing not in ("each", "doubling"):
+            raise UsageError(f"spacing={spacing!r}: 'each' (a delta from each of the last keep versions) or "
+                             "'doubling' (from the versions 1, 2, 4, … and keep publishes back)")
+        self.spacing = spacing
+        if not is_run_name(channel):
+            raise UsageError(f"channel {channel!r} is not a name of 1-128 letters, digits, '.', '_', '-'")
+        self.keep, self.full_every, self.channel = keep, full_every, channel
+        self.expires = float(expires) if isinstance(expires, (int, float)) else parse_duration(expires)
+        self._pub = Published()
+        self._layout: list[Any] | None = None
+        self._versions: list[SyncVersion] = []  # published by this Publisher, oldest first
+        self._index: SyncIndex | None = None
+        make_dirs(self.root)
+        for sub in (FULL_DIR, DELTA_DIR):
+            make_dirs(os.path.join(self.root, sub))
+        with publish_lock(self.root):
+            self._clear_temporaries()
+            self._index = self._read_index()
+        self.version = self._index.version if self._index is not None else 0
+        self.last_bytes: dict[str, int] = {}  # what the last publish wrote: {"full": n, "delta:<from>": n}
+        self.changed = 0  # elements changed by the last publish
+
+    def _read_index(self) -> SyncIndex | None:
+        path = os.path.join(self.root, INDEX_NAME)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise write_error(exc, path) from None
+        index = parse_index(data, path)
+        if index.channel != self.channel:
+            raise UsageError(f"{self.root} holds live-sync channel {index.channel!r}, not {self.channel!r}: pass "
+                             f"channel={index.channel!r} or publish to another directory")
+        return index
+
+    def _clear_temporaries(self) -> None:
+        for sub in ("", FULL_DIR, DELTA_DIR):
+            d = os.path.join(self.root, sub)
+            for name in os.listdir(d):
+                if TMP_MARK in name:
+                    try:
+                        os.unlink(os.path.join(d, name))
+                    except (FileNotFoundError, IsADirectoryError):
+                        pass
+
+    def publish(self, step: int, model_or_state: Any) -> int:
+        """Publish the weights of ``model_or_state`` (a module or a state dict of tensors) as the next version,
+        tagged with training ``step``; returns the version number. Durable when it returns."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise UsageError(f"step={step!r} is not a non-negative integer")
+        leaves = leaves_of(model_or_state)
+        layout = [(lf.path, lf.dtype, tuple(lf.shape)) for lf in leaves]
+        with publish_lock(self.root):
+            on_disk = self._read_index()
+            if (on_disk.version if on_disk is not None else 0) != self.version:
+                raise UsageError(
+                    f"the live-sync index in {self.root} is at version "
+                    f"{on_disk.version if on_disk is not None else 'none'}, not {self.version} as this Publisher "
+                    "left it: another Publisher published there (or the directory was changed). One Publisher per "
+                    "target: make a new Publisher to continue from what is there")
+            v = self.version + 1
+            fresh = layout != self._layout or v >= 2**31 - 1  # per-element stamps are int32
+            if fresh:  # first publish, or the model's tensors changed: only a full version this time
+                self._pub.reset(leaves, v)
+                self._layout, self._versions = layout, []
+                self.changed = sum(int(lf.obj.numel()) for lf in leaves)
+            else:
+                self.changed = self._pub.update(leaves, v)
+            kept = self._versions[-self.keep:]
+            bases = kept if self.spacing == "each" else \
+                [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0]]
+            last_full = max((x.version for x in kept if x.full is not None), default=0)
+            want_full = fresh or v - last_full >= self.full_every
+            # the changed tensors are hashed (the new fingerprint) while the delta bodies are encoded
+            hashing = _POOL.submit(self._pub.rehash)
+            parts = self._pub.delta_parts([b.version for b in bases]) if bases else {}
+            bodies = list(_POOL.map(encode_body, [parts[b.version] for b in bases]))
+            full_body = encode_body(self._pub.full_parts()) if want_full else None
+            fp = hashing.result()
+            files: list[tuple[str, bytes]] = []
+            full_ref = None
+            if full_body is not None:
+                data = assemble(None, v, None, fp, full_body)
+                full_ref = _ref(f"{FULL_DIR}/{v:08d}-{fp[7:23]}{SUFFIX}", data)
+                files.append((full_ref.name, data))
+            deltas = []
+            for b, body in zip(bases, bodies):
+                data = assemble(b.version, v, b.fingerprint, fp, body)
+                ref = _ref(f"{DELTA_DIR}/{b.version:08d}-{v:08d}-{blake3.blake3(data).hexdigest()[:16]}{SUFFIX}",
+                           data)
+                files.append((ref.name, data))
+                deltas.append(SyncDelta(b.version, v, ref))
+            new = SyncVersion(v, step, fp, full_ref)
+            now = time.time()
+            index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
+                              (*kept, new), tuple(deltas), None)
+            data = encode_index(index, self.key)
+            self._write_files(files)
+            write_atomic(os.path.join(self.root, INDEX_NAME), data)
+            self._remove_unlisted(index, self._index)
+            self._index = index
+            self._versions = [*kept, new]
+            self.version = v
+            self.last_bytes = {("full" if n.startswith(FULL_DIR) else "delta:" + n.split("/")[1][:8].lstrip("0")):
+                               len(d) for n, d in files}
+        return v
+
+    def _write_files(self, files: list[tuple[str, bytes]]) -> None:
+        """Write each file to a temporary name and fsync it (on two threads: the syncs overlap), rename each into
+        place, then fsync the directories."""
+        def write(item: tuple[str, bytes]) -> str:
+            name, data = item
+            tmp = f"{os.path.join(self.root, name)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _unlink(tmp)
+                raise
+            os.close(fd)
+            return tmp
+
+        futures = [_POOL.submit(write, item) for item in files]
+        try:
+            temps = [f.result() for f in futures]
+            for (name, _data), tmp in zip(files, temps):
+                os.replace(tmp, os.path.join(self.root, name))
+            for sub in {n.split("/")[0] for n, _d in files}:
+                fsync_dir(os.path.join(self.root, sub))
+        except OSError as exc:
+            for f in futures:
+                if f.exception() is None and os.path.exists(f.result()):
+                    _unlink(f.result())
+            raise write_error(exc, self.root, "the previous index and its files are unchanged") from None
+
+    def _remove_unlisted(self, index: SyncIndex, prev: SyncIndex | None) -> None:
+        keep = {f.name for f in index.files()} | ({f.name for f in prev.files()} if prev is not None else set())
+        for sub in (FULL_DIR, DELTA_DIR):
+            d = os.path.join(self.root, sub)
+            for name in os.listdir(d):
+                if f"{sub}/{name}" not in keep and name.endswith(SUFFIX) and TMP_MARK not in name:
+                    _unlink(os.path.join(d, name))
+
+
+def _ref(name: str, data: bytes) -> FileRef:
+    return FileRef(name, len(data), blake3.blake3(data).hexdigest())
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,245 @@
+"""Live tensors for live sync: the publisher's record of what it published (to find changed elements with torch ops
+on bit views), and the subscriber's staging (decode, stage and fingerprint an update before one element of the live
+tensors changes; then write only the changed elements, in place).
+
+Fingerprints are luopan.torch.fingerprint's (docs/format.md §19.3): the same value ``luopan.torch.fingerprint(model)``
+gives, computed here from per-tensor digests — unchanged tensors' digests come from its cache, changed ones are hashed
+from a staging copy — and handed back to that cache after a write, so the next update's base check hashes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import numpy as np
+import torch
+
+from ..errors import LayoutMismatchError, UsageError
+from ..format.canonical import canonical
+from ..torch.fingerprint import _digest as cached_digest
+from ..torch.fingerprint import remember
+from ..tree import Leaf, flatten
+from .delta import DTYPE_SIZES, ELEMENT_DTYPES
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_THREADS = 1 << 22  # hash buffers from 4 MiB on every core
+
+
+def state_of(model_or_state: Any) -> Any:
+    sd = getattr(model_or_state, "state_dict", None)
+    return sd() if callable(sd) else model_or_state
+
+
+def leaves_of(model_or_state: Any, what: str = "the model") -> list[Leaf]:
+    """The tensor leaves of a module's state_dict or of a state tree, in key-path order; UsageError for a leaf that
+    is not a torch tensor of a dtype live sync carries."""
+    _skeleton, leaves = flatten(state_of(model_or_state))
+    bad = [lf.path for lf in leaves if lf.kind != "torch" or lf.dtype not in DTYPE_SIZES]
+    if bad:
+        raise UsageError(f"live sync carries torch tensors of dtypes {sorted(DTYPE_SIZES)}; {what} has other "
+                         f"leaves at {bad[:5]}: sync a state dict of such tensors only")
+    return sorted(leaves, key=lambda lf: lf.path)
+
+
+def digest(buf: Any) -> str:
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    if view.nbytes >= _THREADS:
+        return blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
+    return blake3.blake3(view).hexdigest()
+
+
+def fingerprint_of(rows: list[tuple[str, str, tuple[int, ...], str]]) -> str:
+    """luopan.torch.fingerprint's value from (path, dtype, shape, digest) of every torch tensor."""
+    doc = [[p, "torch", d, list(s), h] for p, d, s, h in sorted(rows)]
+    return "blake3:" + blake3.blake3(canonical(doc)).hexdigest()
+
+
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    """The bits of a tensor as a flat NumPy integer array (uint8, int16, int32, int64 by element size): a view of a
+    contiguous CPU tensor's memory, else a CPU copy. Equal bits, equal integers; NumPy's indexing and comparisons are
+    single-threaded and fast, where torch's contend for the cores with the training or serving process."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    flat = t.reshape(-1)
+    if not flat.numel():
+        return np.zeros(0, np.uint8)
+    return flat.view(BITS[flat.element_size()]).numpy()
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+# ---------------------------------------------------------------------------------------------------- publisher
+
+@dataclass
+class Record:
+    """What the publisher last published of one tensor: a private copy of its bits, and per element the version it
+    last changed in (element dtypes) or the version the whole tensor last changed in (other dtypes)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    last: np.ndarray  # flat bits
+    stamp: np.ndarray | None  # int32 per element, for element dtypes
+    changed: int  # version of the tensor's last change
+    digest: str
+
+
+@dataclass
+class Published:
+    records: dict[str, Record] = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        return fingerprint_of([(p, r.dtype, r.shape, r.digest) for p, r in self.records.items()])
+
+    def reset(self, leaves: list[Leaf], version: int) -> None:
+        self.records = {}
+        for lf in leaves:
+            last = bits_of(lf.obj).copy()
+            stamp = np.full(last.shape, version, np.int32) if lf.dtype in ELEMENT_DTYPES else None
+            self.records[lf.path] = Record(lf.dtype, lf.shape, last, stamp, version, digest(last))
+
+    def update(self, leaves: list[Leaf], version: int) -> int:
+        """Take the new values of ``leaves`` as ``version``; the number of elements whose bits changed. The changed
+        tensors' digests are left to ``rehash`` (run beside the encoding)."""
+        changed = 0
+        self.stale: list[Record] = []
+        for lf in leaves:
+            r = self.records[lf.path]
+            cur = bits_of(lf.obj)
+            idx = np.flatnonzero(cur != r.last)
+            if not idx.size:
+                continue
+            if r.stamp is not None:
+                r.last[idx] = cur[idx]
+                r.stamp[idx] = version
+            else:
+                r.last[:] = cur
+            r.changed = version
+            self.stale.append(r)
+            changed += int(idx.size)
+        return changed
+
+    def rehash(self) -> str:
+        """Digest the tensors ``update`` changed; the fingerprint of the published state."""
+        for r in getattr(self, "stale", []):
+            r.digest = digest(r.last)
+        self.stale = []
+        return self.fingerprint()
+
+    def delta_parts(self, bases: list[int]) -> dict[int, list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]]:
+        """For each base version: the parts of the delta from it (luopan.sync.delta.encode_delta), the elements
+        that changed after it — by element for element dtypes (whole when that is smaller), whole otherwise."""
+        out: dict[int, list[Any]] = {b: [] for b in bases}
+        oldest = min(bases)
+        for path, r in sorted(self.records.items()):
+            if r.changed <= oldest:
+                continue
+            whole = (path, r.dtype, r.shape, None, r.last.view(np.uint8))
+            if r.stamp is None:
+                for b in bases:
+                    if r.changed > b:
+                        out[b].append(whole)
+                continue
+            union = np.flatnonzero(r.stamp > oldest)
+            when = r.stamp[union]
+            size = ELEMENT_DTYPES[r.dtype]
+            for b in bases:
+                idx = union[when > b] if b != oldest else union
+                if not idx.size:
+                    continue
+                if idx.size * (size + 1) >= r.last.size * size:
+                    out[b].append(whole)
+                else:
+                    out[b].append((path, r.dtype, r.shape, idx, r.last[idx].view(np.uint8)))
+        return out
+
+    def full_parts(self) -> list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]:
+        return [(p, r.dtype, r.shape, None, r.last.view(np.uint8)) for p, r in sorted(self.records.items())]
+
+
+# --------------------------------------------------------------------------------------------------- subscriber
+
+class Stage:
+    """An update staged against live tensors: per tensor either element changes (flat indices + values) or a
+    whole new tensor (a private CPU copy); nothing live is written until ``write``."""
+
+    def __init__(self, leaves: list[Leaf]) -> None:
+        self.leaves = {lf.path: lf for lf in leaves}
+        self.whole: dict[str, torch.Tensor] = {}
+        self.elements: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def check_layout(self, tensors: Any, full: bool, where: str) -> None:
+        names = {t.name for t in tensors}
+        if full and names != set(self.leaves):
+            missing, extra = sorted(set(self.leaves) - names)[:5], sorted(names - set(self.leaves))[:5]
+            raise LayoutMismatchError(f"{where} holds other tensors than the model (missing {missing}, unknown "
+                                      f"{extra}): the subscriber's model is not the one published. Nothing changed")
+        for t in tensors:
+            lf = self.leaves.get(t.name)
+            if lf is None or lf.dtype != t.dtype or tuple(lf.shape) != t.shape:
+                have = None if lf is None else f"{lf.dtype}{list(lf.shape)}"
+                raise LayoutMismatchError(f"{where} has tensor {t.name[:80]!r} as {t.dtype}{list(t.shape)}, the "
+                                          f"model has {have}: the subscriber's model is not the one published. "
+                                          "Nothing changed")
+            if not lf.obj.is_contiguous():
+                raise UsageError(f"tensor {t.name[:80]!r} of the model is not contiguous: live sync writes in "
+                                 "place into contiguous tensors only")
+
+    def add(self, t: Any, idx: np.ndarray | None, values: memoryview) -> None:
+        """Stage one tensor's section (already checked by the parser)."""
+        vals = np.frombuffer(values, BITS_NP[DTYPE_SIZES[t.dtype]]).copy()
+        if idx is None:
+            self.whole[t.name] = vals
+            self.elements.pop(t.name, None)
+            return
+        base = self.whole.get(t.name)
+        if base is not None:  # a delta over a staged full version: change the private copy
+            base[idx] = vals
+        else:
+            self.elements[t.name] = (idx, vals)
+
+    def fingerprint(self) -> tuple[str, dict[str, str]]:
+        """The fingerprint the live tensors will have after ``write``, and the new digests of the changed ones. A
+        changed tensor is hashed from a private copy with its changes applied (one tensor at a time); tied tensors
+        appear under each of their paths, in the delta as in the model."""
+        digests: dict[str, str] = {}
+        rows = []
+        for path, lf in self.leaves.items():
+            if path in self.whole:
+                h = digests[path] = digest(self.whole[path])
+            elif path in self.elements:
+                idx, vals = self.elements[path]
+                scratch = bits_of(lf.obj).copy()
+                scratch[idx] = vals
+                h = digests[path] = digest(scratch)
+                del scratch
+            else:
+                h = cached_digest(lf)
+            rows.append((path, lf.dtype, tuple(lf.shape), h))
+        return fingerprint_of(rows), digests
+
+    def write(self, digests: dict[str, str]) -> None:
+        """Write the staged values into the live tensors, in place (CPU: through a NumPy view of their memory, then
+        their version counters are moved as a torch op would; CUDA: index_put_ / copy_), and hand the new digests
+        to the fingerprint cache."""
+        with torch.no_grad():
+            for path, vals in self.whole.items():
+                live = self.leaves[path].obj
+                live.view(-1).view(BITS[live.element_size()]).copy_(torch.from_numpy(vals).to(live.device))
+            for path, (idx, vals) in self.elements.items():
+                live = self.leaves[path].obj
+                if live.device.type == "cpu":
+                    bits_of(live)[idx] = vals
+                    torch.autograd.graph.increment_version(live)
+                else:
+                    flat = live.view(-1).view(BITS[live.element_size()])
+                    flat.index_put_((torch.from_numpy(idx).to(live.device),), torch.from_numpy(vals).to(live.device))
+        for path in (*self.whole, *self.elements):
+            remember(self.leaves[path].obj, digests[path])
+
+
+BITS_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}

@@ -1,0 +1,385 @@
+"""Live weight sync (luopan.sync, docs/format.md §19): element deltas round-trip bit-exactly, a Subscriber keeps a
+live model equal to the Publisher's after every step (one delta per update, a full version for a new or far-behind
+worker), its fingerprint is luopan.torch.fingerprint's, and tampered, replayed, expired, unsigned, foreign-key and
+wrong-base updates are refused before any tensor changes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import luopan.sync
+import luopan.sync.subscriber as subscriber_mod
+from luopan.errors import (
+    BaseMismatchError,
+    ChannelExpiredError,
+    ChannelRollbackError,
+    CorruptChannelIndexError,
+    CorruptDownloadError,
+    LayoutMismatchError,
+    SignatureError,
+    UnsignedError,
+    UntrustedKeyError,
+)
+from luopan.signing import TrustedKeys, generate_key, load_signing_key
+from luopan.sync.delta import decode_bitmap, decode_gaps, encode_bitmap, encode_delta, encode_gaps, gaps_size, \
+    parse_delta
+from luopan.torch import fingerprint
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                            torch.nn.Linear(32, 50, bias=False))
+    m[3].weight = m[0].weight.__class__(m[0].weight.detach().clone())  # untied here; tied in test_tied
+    m = m.to(torch.bfloat16)
+    m.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+    m.register_buffer("scale", torch.ones(4, dtype=torch.float32))
+    return m
+
+
+def train_step(m: torch.nn.Module, step: int, frac: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for p in m.parameters():
+            mask = torch.rand(p.shape, generator=g) < frac
+            p[mask] += (0.01 * torch.randn(p.shape, generator=g)).to(p.dtype)[mask]
+        m.steps += 1
+        if step % 3 == 0:
+            m.scale.mul_(1.001)
+
+
+def bits(m: torch.nn.Module) -> dict[str, bytes]:
+    return {k: v.detach().contiguous().view(torch.uint8).numpy().tobytes() for k, v in m.state_dict().items()}
+
+
+@pytest.fixture()
+def keys(tmp_path):
+    key_path, pub = generate_key(tmp_path / "keys")
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    shutil.copy(pub, trusted / "pub.pub")
+    other, _ = generate_key(tmp_path / "other")
+    return load_signing_key(key_path), TrustedKeys.load(trusted), load_signing_key(other)
+
+
+# ---------------------------------------------------------------------------------------------------- encoding
+
+@pytest.mark.parametrize("numel,density", [(1, 1.0), (10, 0.3), (1000, 0.01), (100_000, 0.001), (5000, 0.9),
+                                           (3_000_000, 0.0001)])
+def test_index_codings_round_trip(numel, density):
+    rng = np.random.default_rng(numel)
+    idx = np.flatnonzero(rng.random(numel) < density)
+    if not idx.size:
+        idx = np.array([numel - 1])
+    gaps = encode_gaps(idx)
+    assert gaps.size == gaps_size(idx)
+    assert np.array_equal(decode_gaps(gaps, idx.size, numel), idx)
+    assert np.array_equal(decode_bitmap(encode_bitmap(idx, numel), idx.size, numel), idx)
+
+
+def test_big_gaps_use_long_varints():
+    idx = np.array([0, 127, 128, 128 + 2**14, 2**40, 2**47 - 1], dtype=np.int64)
+    assert np.array_equal(decode_gaps(encode_gaps(idx), idx.size, 2**47), idx)
+
+
+@pytest.mark.parametrize("data,count,numel", [
+    ([0x80], 1, 10),  # ends inside a varint
+    ([1, 0], 2, 10),  # a zero gap: not ascending
+    ([5, 5], 2, 10),  # beyond numel
+    ([0x81, 0x00], 1, 1000),  # overlong
+    ([1], 2, 10),  # too few
+    ([0xFF] * 8 + [1], 1, 2**48),  # a 9-byte varint
+])
+def test_bad_gap_sections_are_refused(data, count, numel):
+    with pytest.raises(ValueError):
+        decode_gaps(np.array(data, np.uint8), count, numel)
+
+
+def test_delta_file_chooses_the_smaller_coding():
+    n = 1 << 16
+    sparse, dense = np.array([5, 900]), np.arange(0, n, 3)
+    data = encode_delta(1, 2, "blake3:" + "0" * 64, "blake3:" + "1" * 64, [
+        ("a", "bfloat16", (n,), sparse, np.zeros(4, np.uint8)),
+        ("b", "float32", (n,), dense, np.zeros(dense.size * 4, np.uint8)),
+        ("c", "int64", (3,), None, np.zeros(24, np.uint8))])
+    header, parts = parse_delta(data)
+    assert [t.mode for t in header.tensors] == ["gaps", "bitmap", "whole"]
+    assert np.array_equal(parts[0][1], sparse) and np.array_equal(parts[1][1], dense) and parts[2][1] is None
+
+
+# ----------------------------------------------------------------------------------------------- sync in process
+
+def test_subscriber_follows_every_step_bit_exactly(tmp_path, keys):
+    key, trusted, _ = keys
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(tmp_path / "ch", key=key, keep=3)
+    sub = luopan.sync.Subscriber(tmp_path / "ch", trusted_keys=trusted)
+    assert sub.version is None
+    for step in range(10):
+        train_step(trainer, step)
+        v = pub.publish(step, trainer)
+        assert sub.update(worker) == v == sub.version
+        assert bits(worker) == bits(trainer)
+        assert sub.fingerprint == fingerprint(trainer) == fingerprint(worker)
+        if step:
+            assert 0 < sub.last_bytes < pub.last_bytes.get("full", 1 << 40)  # one delta, smaller than a full
+        assert sub.update(worker) is None  # nothing new
+    files = sorted(os.listdir(tmp_path / "ch" / "deltas"))
+    assert all(f.endswith(".lpsync") for f in files) and len(files) <= 6  # last index's and the one before
+
+
+def test_a_worker_that_missed_steps_catches_up_in_one_fetch(tmp_path):
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=5)
+    sub = luopan.sync.Subscriber(tmp_path / "ch")
+    train_step(trainer, 0)
+    pub.publish(0, trainer)
+    sub.update(worker)
+    for step in range(1, 5):
+        train_step(trainer, step)
+        pub.publish(step, trainer)
+    reads = []
+    real = sub._get
+    sub._get = lambda name, ref: reads.append(name) or real(name, ref)  # type: ignore[method-assign]
+    assert sub.update(worker) == 5
+    assert bits(worker) == bits(trainer)
+    assert len(reads) == 2 and reads[1].startswith("deltas/00000001-00000005")  # the index, one delta
+    # fallen further behind than keep: the newest full version and one delta from it
+    for step in range(5, 13):
+        train_step(trainer, step)
+        pub.publish(step, trainer)
+    reads.clear()
+    assert sub.update(worker) == 13 and bits(worker) == bits(trainer)
+    assert [r.split("/")[0] for r in reads] == ["index.json", "full", "deltas"]
+
+
+def test_doubling_spacing_serves_every_lag_with_one_delta(tmp_path):
+    trainer = make_model(0)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=6, spacing="doubling")
+    held = {}
+    for step in range(14):
+        train_step(trainer, step)
+        held[pub.publish(step, trainer)] = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
+    index = luopan.sync.index.parse_index((tmp_path / "ch" / "index.json").read_bytes())
+    assert sorted(14 - d.source for d in index.deltas) == [1, 2, 4, 6]  # 1, 2, 4 and keep back
+    for lag in range(1, 7):
+        worker = make_model(1)
+        worker.load_state_dict(held[14 - lag])
+        sub = luopan.sync.Subscriber(tmp_path / "ch")
+        reads = []
+        real = sub._get
+        sub._get = lambda name, ref: reads.append(name) or real(name, ref)  # type: ignore[method-assign]
+        assert sub.update(worker) == 14 and bits(worker) == bits(trainer)
+        assert len(reads) == 2 and reads[1].startswith("deltas/"), (lag, reads)
+
+
+def test_fresh_subscriber_restart_and_state_file(tmp_path, keys):
+    key, trusted, _ = keys
+    trainer = make_model(0)
+    pub = luopan.sync.Publisher(tmp_path / "ch", key=key, keep=2)
+    for step in range(5):
+        train_step(trainer, step)
+        pub.publish(step, trainer)
+    old_index = (tmp_path / "ch" / "index.json").read_bytes()
+    worker = make_model(3)
+    state = tmp_path / "sub.state"
+    sub = luopan.sync.Subscriber(tmp_path / "ch", trusted_keys=trusted, state_file=state)
+    assert sub.update(worker) == 5 and bits(worker) == bits(trainer)
+    train_step(trainer, 5)
+    pub.publish(5, trainer)
+    # a restarted subscriber on a model that still holds version 5: it finds the version by fingerprint
+    sub2 = luopan.sync.Subscriber(tmp_path / "ch", trusted_keys=trusted, state_file=state)
+    assert sub2.update(worker) == 6 and bits(worker) == bits(trainer) and sub2.last_bytes < 4000
+    # and it remembers the newest index it saw: an old one served again is a replay
+    (tmp_path / "ch" / "index.json").write_bytes(old_index)
+    before = bits(worker)
+    sub3 = luopan.sync.Subscriber(tmp_path / "ch", trusted_keys=trusted, state_file=state)
+    with pytest.raises(ChannelRollbackError):
+        sub3.update(worker)
+    assert bits(worker) == before
+
+
+def test_tied_weights_and_other_dtypes(tmp_path):
+    def tied(seed):
+        m = make_model(seed)
+        m[3].weight = m[0].weight
+        return m
+
+    trainer, worker = tied(0), tied(1)
+    pub = luopan.sync.Publisher(tmp_path / "ch")
+    sub = luopan.sync.Subscriber(tmp_path / "ch")
+    for step in range(4):
+        train_step(trainer, step)
+        pub.publish(step, trainer)
+        sub.update(worker)
+        assert bits(worker) == bits(trainer)
+        assert worker[3].weight.data_ptr() == worker[0].weight.data_ptr()
+
+
+def test_a_state_dict_of_live_tensors(tmp_path):
+    state = {"w": torch.randn(300, 7), "h": torch.randn(64, dtype=torch.float16)}
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    pub, sub = luopan.sync.Publisher(tmp_path / "ch"), luopan.sync.Subscriber(tmp_path / "ch")
+    for step in range(3):
+        state["w"][step, :3] += 1
+        pub.publish(step, state)
+        sub.update(live)
+        assert all(torch.equal(live[k], state[k]) for k in state)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+class Setup:
+    def __init__(self, tmp_path, key, trusted, steps=3):
+        self.root = tmp_path / "ch"
+        self.trainer, self.worker = make_model(0), make_model(1)
+        self.pub = luopan.sync.Publisher(self.root, key=key, keep=3)
+        self.sub = luopan.sync.Subscriber(self.root, trusted_keys=trusted)
+        for step in range(steps):
+            self.step(step)
+            assert self.sub.update(self.worker) is not None
+
+    def step(self, step):
+        train_step(self.trainer, step)
+        return self.pub.publish(step, self.trainer)
+
+    def refused(self, error, sub=None):
+        before = bits(self.worker)
+        with pytest.raises(error):
+            (sub or self.sub).update(self.worker)
+        assert bits(self.worker) == before
+
+
+def _newest_delta(root) -> str:
+    return str(root / "deltas" / max(os.listdir(root / "deltas"), key=lambda n: (n[9:17], n[:8])))
+
+
+def test_tampered_delta_is_refused(tmp_path, keys):
+    key, trusted, _ = keys
+    s = Setup(tmp_path, key, trusted)
+    s.step(3)
+    path = _newest_delta(s.root)
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    s.refused(CorruptDownloadError)
+    assert s.sub.version == 3
+
+
+def test_tampered_index_is_refused(tmp_path, keys):
+    key, trusted, _ = keys
+    s = Setup(tmp_path, key, trusted)
+    s.step(3)
+    idx = s.root / "index.json"
+    idx.write_bytes(idx.read_bytes().replace(b'"step":3', b'"step":4'))
+    s.refused(SignatureError)
+    idx.write_bytes(b"{" + idx.read_bytes())
+    s.refused(CorruptChannelIndexError)
+
+
+def test_replayed_index_is_refused(tmp_path, keys):
+    key, trusted, _ = keys
+    s = Setup(tmp_path, key, trusted)
+    old = (s.root / "index.json").read_bytes()
+    s.step(3)
+    assert s.sub.update(s.worker) == 4
+    (s.root / "index.json").write_bytes(old)
+    s.refused(ChannelRollbackError)
+
+
+def test_expired_index_is_refused(tmp_path, keys, monkeypatch):
+    key, trusted, _ = keys
+    s = Setup(tmp_path, key, trusted)
+    s.step(3)
+    real = subscriber_mod.time.time
+    monkeypatch.setattr(subscriber_mod.time, "time", lambda: real() + 8 * 86400)
+    s.refused(ChannelExpiredError)
+
+
+def test_foreign_key_and_unsigned_indexes_are_refused(tmp_path, keys):
+    key, trusted, other = keys
+    s = Setup(tmp_path, key, trusted)
+    foreign = luopan.sync.Publisher(tmp_path / "foreign", key=other)
+    foreign.publish(9, s.trainer)
+    s.refused(UntrustedKeyError, luopan.sync.Subscriber(tmp_path / "foreign", trusted_keys=trusted))
+    unsigned = luopan.sync.Publisher(tmp_path / "unsigned")
+    unsigned.publish(9, s.trainer)
+    s.refused(UnsignedError, luopan.sync.Subscriber(tmp_path / "unsigned", trusted_keys=trusted))
+
+
+def test_other_base_is_refused(tmp_path, keys):
+    key, trusted, _ = keys
+    s = Setup(tmp_path, key, trusted)
+    s.step(3)
+    with torch.no_grad():  # the worker's tensors changed behind the subscriber's back
+        s.worker[1].bias[0] += 1
+    s.refused(BaseMismatchError)
+    with torch.no_grad():
+        s.worker[1].bias[0] -= 1
+    # a delta signed by the trusted key, listed from the version the worker holds, but made for other tensors
+    other = Setup(tmp_path / "o", key, trusted, steps=0)
+    train_step(other.trainer, 99)
+    for step in range(4):
+        other.step(step)
+    shutil.rmtree(s.root)
+    shutil.copytree(other.root, s.root)
+    s.refused(BaseMismatchError)
+
+
+def test_other_model_is_refused(tmp_path):
+    trainer = make_model(0)
+    pub = luopan.sync.Publisher(tmp_path / "ch")
+    pub.publish(0, trainer)
+    worker = torch.nn.Linear(3, 3)
+    before = worker.weight.detach().clone()
+    with pytest.raises(LayoutMismatchError):
+        luopan.sync.Subscriber(tmp_path / "ch").update(worker)
+    assert torch.equal(worker.weight, before)
+
+
+def test_subscriber_over_http(tmp_path, keys, monkeypatch):
+    """The target directory served as it is by a real nginx: the subscriber reads index and deltas over HTTP."""
+    from .nginx import NGINX, Nginx
+
+    if NGINX is None:
+        pytest.skip("nginx is not installed (make setup installs it): the HTTP subscriber needs a web server")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, ",".join(filter(None, [os.environ.get(name), "127.0.0.1", "localhost"])))
+    key, trusted, _ = keys
+    site = tmp_path / "site"
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(site / "ch", key=key, keep=3)
+    with Nginx(str(site)) as web:
+        sub = luopan.sync.Subscriber(web.url + "/ch", trusted_keys=trusted)
+        for step in range(5):
+            train_step(trainer, step)
+            v = pub.publish(step, trainer)
+            assert sub.update(worker) == v and bits(worker) == bits(trainer)
+        paths = [r[0] for r in web.requests()]
+        assert paths.count("/ch/index.json") == 5 and sum(p.startswith("/ch/deltas/") for p in paths) == 4
+        train_step(trainer, 5)  # a damaged file on the server: refused, the model untouched
+        pub.publish(5, trainer)
+        path = _newest_delta(site / "ch")
+        open(path, "r+b").write(b"\0" * 16)
+        before = bits(worker)
+        with pytest.raises(CorruptDownloadError):
+            sub.update(worker)
+        assert bits(worker) == before
+
+
+def test_two_publishers_on_one_target_are_refused(tmp_path):
+    from luopan.errors import UsageError
+
+    trainer = make_model(0)
+    a = luopan.sync.Publisher(tmp_path / "ch")
+    a.publish(0, trainer)
+    b = luopan.sync.Publisher(tmp_path / "ch")  # continues from the index: version 2 next
+    assert b.publish(1, trainer) == 2
+    with pytest.raises(UsageError, match="another Publisher"):
+        a.publish(2, trainer)
+    assert luopan.sync.Subscriber(tmp_path / "ch").update(make_model(1)) == 2
