@@ -99,8 +99,10 @@ def header_mutations(draw: Any, sample: bytes) -> bytes:
     doc = json.loads(sample[start:start + hlen])
     for _ in range(draw(st.integers(1, 3))):
         t = draw(st.sampled_from(["top", "tensor"]))
-        if t == "tensor" and doc.get("tensors"):
-            tdoc = doc["tensors"][draw(st.integers(0, len(doc["tensors"]) - 1))]
+        tensors = doc.get("tensors") if isinstance(doc, dict) else None
+        dicts = [x for x in tensors if isinstance(x, dict)] if isinstance(tensors, list) else []
+        if t == "tensor" and dicts:  # an earlier mutation may have replaced the list or its members
+            tdoc = dicts[draw(st.integers(0, len(dicts) - 1))]
             k = draw(st.sampled_from(sorted(tdoc) + ["extra"]))
         else:
             tdoc = doc
