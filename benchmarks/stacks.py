@@ -12,7 +12,8 @@ E3.write_index_over_luopan_with_deletes: a FAISS index changed by 1% deletions p
 ``faiss.write_index`` writes per version / bytes luopan's snapshot adds per version. Goal >= 5.
 (benchmarks/stacks_faiss.py)
 
-Each result also carries the time per save of luopan and of the peer, measured in the same run.
+Each result also carries the time per save (E2: per step, a put and its put_writes; E3: per version) of luopan and of
+the peer, measured in the same run. E1 and E2 bytes are on disk at the end; E3 bytes are per version.
 """
 
 from __future__ import annotations
@@ -57,12 +58,38 @@ def run_stacks(quick: bool, workdir: str | None, log: Any, only: list[str] | Non
         missing = [rid for rid in ids if rid not in {r["id"] for r in results}]
         if missing:
             report["problems"].append(f"{name} did not report {', '.join(missing)}")
-        report["results"] += results
+        report["results"] += [_common_fields(r) for r in results]
     report["machine"]["loadavg_end"] = loadavg()
     import shutil
 
     shutil.rmtree(where, ignore_errors=True)
     return report
+
+
+def _mean(x: Any) -> float | None:
+    return sum(x) / len(x) if isinstance(x, list) and x else None
+
+
+def _common_fields(r: dict[str, Any]) -> dict[str, Any]:
+    """Each stack's own figures, also under the names the table reads: ``peer``, ``peer_bytes`` and
+    ``luopan_bytes`` (bytes on disk, or per version for E3), ``peer_s_per_save`` and ``luopan_s_per_save``."""
+    rid = r["id"].split(".")[0]
+    if rid == "E1":
+        extra = {"peer": "Lightning .ckpt files", "peer_bytes": r.get("default_bytes"),
+                 "peer_s_per_save": r.get("default_seconds_per_save"),
+                 "luopan_s_per_save": r.get("luopan_seconds_per_save")}
+    elif rid == "E2":
+        extra = {"peer": "SqliteSaver", "peer_bytes": r.get("sqlite_bytes"),
+                 "peer_s_per_save": r.get("sqlite_seconds_per_step"),
+                 "luopan_s_per_save": r.get("luopan_seconds_per_step")}
+    elif rid == "E3":
+        peer, ours = _mean(r.get("faiss_bytes_per_version")), _mean(r.get("luopan_bytes_per_version"))
+        extra = {"peer": "faiss.write_index", "peer_bytes": None if peer is None else round(peer),
+                 "luopan_bytes": None if ours is None else round(ours),
+                 "peer_s_per_save": r.get("faiss_seconds_median"), "luopan_s_per_save": r.get("luopan_seconds_median")}
+    else:
+        extra = {}
+    return {**{k: v for k, v in extra.items() if v is not None}, **r}
 
 
 def _per_save(r: dict[str, Any], who: str) -> str:

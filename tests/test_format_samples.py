@@ -224,6 +224,14 @@ def reader(heading: str, doc: dict[str, Any]) -> Any:
         from luopan.index.manifest import parse_current
 
         return lambda d: parse_current(sealed(d), "refs/indexes/kb-main/current.json", "kb-main")
+    if heading.startswith("### 19.2"):
+        from luopan.sync.index import parse_index as parse_sync_index
+
+        def check_sync_index(d: dict) -> None:
+            got = parse_sync_index(canonical(d), "index.json")  # canonical JSON, as the parser requires
+            assert got.latest.version == d["version"] == 9
+
+        return check_sync_index
     if heading.startswith(("## 15.", "### 15.")):
         from luopan.channel.index import parse_index as parse_channel_index
         from luopan.channel.state import parse_state
@@ -293,7 +301,7 @@ def test_the_spec_has_a_sample_of_every_file():
     headings = [h for h, _t in SAMPLES]
     for section in ("## 3.", "### 5.2", "## 6.", "## 7.", "## 8.", "### 8.1", "### 8.2", "### 8.3", "### 8.4", "## 9.", "### 9.1", "### 9.2", "### 9.3", "### 9.4",
                     "### 10.2", "### 10.3", "### 10.5", "### 13.2",
-                    "### 15.2", "### 15.4", "### 16.3", "### 17.2", "### 17.4", "### 17.7"):
+                    "### 15.2", "### 15.4", "### 16.3", "### 17.2", "### 17.4", "### 17.7", "### 19.2"):
         assert any(h.startswith(section) for h in headings), f"no sample JSON in {section}"
     assert sum(h.startswith("### 8.1") for h in headings) == 2  # record and eval
     assert sum(h.startswith("### 10.2") for h in headings) == 4  # tier config, pending, replicated, cold
