@@ -106,19 +106,23 @@ class Log:
 
     # -- opening ----------------------------------------------------------------------------------------------------
     def _take_lock(self) -> None:
+        self._lock_fd = self._flock_lock(fcntl.LOCK_EX, "open for writing elsewhere (another process, or another "
+                                         "object of this one, holds its LOCK): close that one first, or open with "
+                                         "read_only=True to read")
+
+    def _flock_lock(self, how: int, busy: str) -> int:
+        """The log's LOCK file, open and flocked ``how`` without waiting; JournalBusyError("<dir> is " + busy)."""
         path = os.path.join(self.directory, LOCK_NAME)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise io_error(exc, path, "opening", "{remedy}, then open it again") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise JournalBusyError(f"{self.directory} is open for writing elsewhere (another process, or another "
-                                   "object of this one, holds its LOCK): close that one first, or open with "
-                                   "read_only=True to read") from None
-        self._lock_fd = fd
+            raise JournalBusyError(f"{self.directory} is {busy}") from None
+        return fd
 
     def _release_lock(self) -> None:
         for fd in (self._mark_fd, self._lock_fd):

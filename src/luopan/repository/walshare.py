@@ -19,9 +19,9 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import JournalBusyError, UsageError
+from ..errors import UsageError
 from ..format.records import HEADER_BYTES, parse_segment_header, segment_name
-from .wal import LOCK_NAME, Log
+from .wal import Log
 from .walio import _sync, _sync_dir, io_error
 from .walscan import Recovery, Segment, _rewrite_header, _scan, logger, read_sync_mark, scan_directory
 from .walscan import _truncate as _cut
@@ -42,19 +42,9 @@ class SharedLog(Log):
 
     # -- locks ------------------------------------------------------------------------------------------------------
     def _take_lock(self) -> None:
-        path = os.path.join(self.directory, LOCK_NAME)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise io_error(exc, path, "opening", "{remedy}, then open it again") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise JournalBusyError(f"{self.directory} is open for writing by a single writer (a Journal opened "
-                                   "without shared=True holds its LOCK): close that one first, or open it with "
-                                   "shared=True as well") from None
-        self._lock_fd = fd
+        self._lock_fd = self._flock_lock(fcntl.LOCK_SH, "open for writing by a single writer (a Journal opened "
+                                         "without shared=True holds its LOCK): close that one first, or open it "
+                                         "with shared=True as well")
         path = os.path.join(self.directory, APPEND_LOCK_NAME)
         try:
             self._append_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
