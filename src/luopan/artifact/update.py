@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._files import write_error
+from .._files import fsync_dir, write_error
 from ..errors import CheckoutConflictError, LockedError, LuopanError, UsageError
 from ..format.names import show_path
 from ..store.base import Store
@@ -235,7 +235,7 @@ def _apply(store: Store, owner: str, doc: dict[str, Any], root: str, plan: Plan,
         touched.add(os.path.join(root, path))
     for d in sorted(touched, key=lambda p: p.count(os.sep)):
         if os.path.isdir(d):
-            _fsync_dir(d)
+            fsync_dir(d)
     if progress is not None:
         for e in plan.keep:
             progress(e["size"])
@@ -244,12 +244,4 @@ def _apply(store: Store, owner: str, doc: dict[str, Any], root: str, plan: Plan,
         touched.add(os.path.dirname(os.path.join(root, e["path"])))
     for d in sorted(touched, key=lambda p: -p.count(os.sep)):
         if os.path.isdir(d):  # not one removed
-            _fsync_dir(d)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_dir(d)
