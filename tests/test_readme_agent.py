@@ -33,14 +33,14 @@ def test_journal_example(tmp_path, child_env):
 
 def test_langgraph_example(tmp_path, child_env):
     pytest.importorskip("langgraph.graph", reason="langgraph is a dev dependency (make setup installs it)")
-    out = run_python(block("python", "LuopanSaver"), tmp_path, child_env)
+    out = run_python(block("python", 'LuopanSaver("agent-state")'), tmp_path, child_env)  # the first example
     assert out.strip() == "seen 1 messages"
 
 
 def test_index_examples(tmp_path, child_env):
     pytest.importorskip("faiss", reason="faiss-cpu is a dev dependency (make setup installs it)")
     out = run_python(block("python", "luopan.index.IndexStore"), tmp_path, child_env)
-    assert out.strip() == "1 [1, 2]"
+    assert out.strip() == "1 [1, 2, 3]"  # v3 is the snapshot after remove_ids
     env = {**child_env, "PATH": os.path.dirname(PYTHON) + os.pathsep + child_env.get("PATH", "")}
     script = block("bash", "luopan index ls").replace("luopan ", f"{os.path.join(os.path.dirname(PYTHON), 'luopan')} ")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
