@@ -34,6 +34,7 @@ from langgraph.graph.message import add_messages
 
 kind, path, me, threads, steps, durability = sys.argv[1:7]
 threads, steps = int(threads), int(steps)
+hold_at = int(sys.argv[7]) if len(sys.argv) > 7 else 0  # "exit" kill runs: wait there for the kill (see below)
 
 class State(TypedDict):
     messages: Annotated[list, add_messages]
@@ -43,6 +44,8 @@ def agent(state):
     n = state["n"] + 1
     if durability != "none":
         print(n, flush=True) if kind == "kill" else None
+    if n == hold_at:  # durability="exit" writes nothing until invoke returns, so waiting here changes nothing it
+        time.sleep(3600)  # saves; without it a fast loop may finish before a loaded parent reads this step's line
     return {"messages": [AIMessage(content=f"{me} step {n}: " + "m" * 300)], "n": n}
 
 g = StateGraph(State)
@@ -106,7 +109,8 @@ def steps_lost_to_kill(work: str, durability: str, steps: int, kill_after: int) 
     from luopan.langgraph import LuopanSaver
 
     repo = os.path.join(work, f"kill-{durability}")
-    p = subprocess.Popen([sys.executable, "-c", WORKER, "kill", repo, "k", "1", str(steps), durability],
+    hold = kill_after if durability == "exit" else 0  # "sync"/"async": killed while running, wherever it is
+    p = subprocess.Popen([sys.executable, "-c", WORKER, "kill", repo, "k", "1", str(steps), durability, str(hold)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), text=True)
     ran = 0
     assert p.stdout is not None
