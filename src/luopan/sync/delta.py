@@ -254,7 +254,7 @@ def _tensor(t: Any, full: bool) -> TensorDelta:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise ValueError("a tensor name is not a string of 1-4096 characters")
     dtype = t["dtype"]
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list or dict is unhashable: refused, not a crash
         raise ValueError(f"tensor {name[:80]!r} has dtype {str(dtype)[:20]!r}, not one of {sorted(DTYPE_SIZES)}")
     shape = t["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(d) and d >= 0 for d in shape) or \
