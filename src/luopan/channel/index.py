@@ -142,29 +142,37 @@ def encode_index(index: ChannelIndex, key: SigningKey) -> bytes:
 def parse_index(data: bytes, where: str = INDEX_NAME) -> ChannelIndex:
     """The index in ``data``, every member checked (module docstring); CorruptChannelIndexError naming ``where`` and
     the problem, UnsupportedFormatError for a newer format_version. The signature is only checked for shape."""
-    def bad(msg: str) -> CorruptChannelIndexError:
-        return CorruptChannelIndexError(f"channel index {where} is refused: {msg}")
+    return parse_signed_index(data, f"channel index {where}", FORMAT, FORMAT_VERSION, _check, "on this device")
 
-    if len(data) > MAX_INDEX_BYTES:
-        raise bad(f"it is {len(data)} bytes, over the {MAX_INDEX_BYTES}-byte limit of any index")
-    depth = _depth(data)
-    if depth > MAX_DEPTH:
-        raise bad(f"it is nested more than {MAX_DEPTH} levels deep, as no index is")
+
+def parse_signed_index(data: bytes, what: str, fmt: str, version: int, check: Any, who: str, *,
+                       max_bytes: int = MAX_INDEX_BYTES, max_depth: int = MAX_DEPTH, after: str = "") -> Any:
+    """What ``check`` makes of a signed, canonical-JSON index document of format ``fmt`` (a channel index, a
+    live-sync index): size, depth, format and version checked first (CorruptChannelIndexError "``what`` is refused:
+    … ``after``", UnsupportedFormatError naming ``who`` to upgrade), then ``check(doc)`` (ValueError: refused), then
+    that ``data`` is the document's canonical form."""
+    def bad(msg: str) -> CorruptChannelIndexError:
+        return CorruptChannelIndexError(f"{what} is refused: {msg}{after}")
+
+    if len(data) > max_bytes:
+        raise bad(f"it is {len(data)} bytes, over the {max_bytes}-byte limit of any index")
+    if _depth(data) > max_depth:
+        raise bad(f"it is nested more than {max_depth} levels deep, as no index is")
     try:
         doc = parse_object(data)
     except SealError as exc:
         raise bad(str(exc)) from None
-    if doc.get("format") != FORMAT:
-        raise bad(f"it is not a luopan channel index (format {str(doc.get('format'))[:40]!r}, expected {FORMAT!r})")
+    if doc.get("format") != fmt:
+        raise bad(f"it is not a luopan {fmt} document (format {str(doc.get('format'))[:40]!r}, expected {fmt!r})")
     fv = doc.get("format_version")
-    if _is_int(fv) and fv > FORMAT_VERSION:
-        raise UnsupportedFormatError(f"channel index {where} has format_version {fv}, newer than this luopan reads "
-                                     f"({FORMAT_VERSION}); upgrade luopan on this device")
+    if _is_int(fv) and fv > version:
+        raise UnsupportedFormatError(f"{what} has format_version {fv}, newer than this luopan reads ({version}); "
+                                     f"upgrade luopan {who}")
     try:
-        index = _check(doc)
+        index = check(doc)
         if canonical(doc) != data:
-            raise ValueError("it is not in canonical JSON form (docs/format.md §4): it was not written by luopan "
-                             "publish, or was edited")
+            raise ValueError("it is not in canonical JSON form (docs/format.md §4): it was not written by luopan, "
+                             "or was edited")
     except ValueError as exc:
         raise bad(str(exc)) from None
     return index

@@ -14,19 +14,18 @@ import blake3
 
 from ..channel.index import (  # the channel index's checks, shared
     FileRef,
-    _depth,
     _file,
     _file_doc,
     _int,
-    _is_int,
     _list,
     _members,
     _time,
     format_time,
+    parse_signed_index,
     parse_time,
 )
-from ..errors import ChannelExpiredError, ChannelRollbackError, CorruptChannelIndexError, UnsupportedFormatError
-from ..format.canonical import SealError, canonical, parse_object
+from ..errors import ChannelExpiredError, ChannelRollbackError
+from ..format.canonical import canonical
 from ..format.names import is_run_name
 from ..signing import SigningKey, TrustedKeys
 from .delta import MAX_VERSION
@@ -120,30 +119,8 @@ def encode_index(index: SyncIndex, key: SigningKey | None) -> bytes:
 def parse_index(data: bytes, where: str = INDEX_NAME) -> SyncIndex:
     """The index in ``data``, every member checked: CorruptChannelIndexError naming ``where``, UnsupportedFormatError
     for a newer format_version. The signature is only checked for shape (``accept_index`` verifies it)."""
-    def bad(msg: str) -> CorruptChannelIndexError:
-        return CorruptChannelIndexError(f"live-sync index {where} is refused: {msg}. Nothing was applied")
-
-    if len(data) > MAX_INDEX_BYTES:
-        raise bad(f"it is {len(data)} bytes, over the {MAX_INDEX_BYTES}-byte limit")
-    if _depth(data) > MAX_DEPTH:
-        raise bad(f"it is nested more than {MAX_DEPTH} levels deep")
-    try:
-        doc = parse_object(data)
-    except SealError as exc:
-        raise bad(str(exc)) from None
-    if doc.get("format") != FORMAT:
-        raise bad(f"it is not a live-sync index (format {str(doc.get('format'))[:40]!r}, expected {FORMAT!r})")
-    fv = doc.get("format_version")
-    if _is_int(fv) and fv > FORMAT_VERSION:
-        raise UnsupportedFormatError(f"live-sync index {where} has format_version {fv}, newer than this luopan reads "
-                                     f"({FORMAT_VERSION}); upgrade luopan on the subscriber")
-    try:
-        index = _check(doc)
-        if canonical(doc) != data:
-            raise ValueError("it is not in canonical JSON form: it was not written by luopan, or was edited")
-    except ValueError as exc:
-        raise bad(str(exc)) from None
-    return index
+    return parse_signed_index(data, f"live-sync index {where}", FORMAT, FORMAT_VERSION, _check, "on the subscriber",
+                              max_bytes=MAX_INDEX_BYTES, max_depth=MAX_DEPTH, after=". Nothing was applied")
 
 
 def _check(doc: dict[str, Any]) -> SyncIndex:
