@@ -107,8 +107,10 @@ def test_delta_file_chooses_the_smaller_coding():
         ("a", "bfloat16", (n,), sparse, np.zeros(4, np.uint8)),
         ("b", "float32", (n,), dense, np.zeros(dense.size * 4, np.uint8)),
         ("c", "int64", (3,), None, np.zeros(24, np.uint8))])
-    header, parts = parse_delta(data)
-    assert [t.mode for t in header.tensors] == ["gaps", "bitmap", "whole"]
+    header, layers = parse_delta(data)
+    assert len(header.layers) == len(layers) == 1 and layers[0][0].version == 2
+    parts = layers[0][1]
+    assert [t.mode for t in header.layers[0].tensors] == ["gaps", "bitmap", "whole"]
     assert np.array_equal(parts[0][1], sparse) and np.array_equal(parts[1][1], dense) and parts[2][1] is None
 
 
@@ -176,6 +178,108 @@ def test_doubling_spacing_serves_every_lag_with_one_delta(tmp_path):
         sub._get = lambda name, ref: reads.append(name) or real(name, ref)  # type: ignore[method-assign]
         assert sub.update(worker) == 14 and bits(worker) == bits(trainer)
         assert len(reads) == 2 and reads[1].startswith("deltas/"), (lag, reads)
+
+
+def _changed_elements(a: dict[str, bytes], b: dict[str, bytes], model: torch.nn.Module) -> set[tuple[str, int]]:
+    """(tensor, flat index) of the elements whose bits differ between two ``bits`` snapshots."""
+    out = set()
+    for k, t in model.state_dict().items():
+        size = t.element_size()
+        x = np.frombuffer(a[k], np.uint8).reshape(-1, size)
+        y = np.frombuffer(b[k], np.uint8).reshape(-1, size)
+        out |= {(k, int(i)) for i in np.flatnonzero((x != y).any(axis=1))}
+    return out
+
+
+def test_one_file_serves_every_lag_with_the_union_of_its_changes(tmp_path):
+    """A publish writes one delta file, newest layer first: the delta from each kept version is a prefix of it, and
+    the elements that prefix carries are the union of the changes since that version (at most 4/3 of it: a layer is
+    re-encoded once a quarter of it changed again)."""
+    trainer = make_model(0)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=6)
+    snaps = {}
+    for step in range(12):
+        train_step(trainer, step, frac=0.2)  # dense enough that elements change again within the window
+        snaps[pub.publish(step, trainer)] = bits(trainer)
+    index = luopan.sync.index.parse_index((tmp_path / "ch" / "index.json").read_bytes())
+    assert sorted(d.source for d in index.deltas) == list(range(6, 12))
+    assert len({d.file.name for d in index.deltas}) == 1  # one file, a prefix of it per delta
+    data = (tmp_path / "ch" / index.deltas[0].file.name).read_bytes()
+    assert max(d.file.size for d in index.deltas) == len(data)  # the delta from the oldest: the whole file
+    header, layers = parse_delta(data)
+    assert [layer.version for layer, _parts in layers] == list(range(12, 6, -1))
+    numels = {k: t.numel() for k, t in trainer.state_dict().items()}
+    for d in index.deltas:
+        prefix = data[:d.file.size]
+        _h, held = parse_delta(prefix)
+        assert [layer.version for layer, _p in held] == list(range(12, d.source, -1))
+        carried, count = set(), 0
+        for _layer, parts in held:
+            for t, idx, _values in parts:
+                items = range(numels[t.name]) if idx is None else idx.tolist()
+                carried |= {(t.name, int(i)) for i in items}
+                count += t.count
+        union = set().union(*(_changed_elements(snaps[u - 1], snaps[u], trainer) for u in range(d.source + 1, 13)))
+        whole = {t.name for _l, parts in held for t, idx, _v in parts if idx is None}
+        assert union <= carried  # every element that changed since the worker's version is carried …
+        assert {x for x in carried - union if x[0] not in whole} == set()  # … and (but whole tensors) only those
+        by_element = sum(t.count for _l, parts in held for t, idx, _v in parts if idx is not None)
+        assert by_element <= 4 / 3 * len(union), (d.source, by_element, len(union))
+
+
+def test_a_later_layer_is_written_over_an_older_one(tmp_path, monkeypatch):
+    """Layers are not re-encoded here: an element that changed in two versions is in both layers, with two values;
+    a worker catching up over both applies them oldest first and ends bit-equal (the result's fingerprint is
+    checked before anything is written)."""
+    monkeypatch.setattr(luopan.sync.tensors.Published, "REENCODE", 0.0)
+    trainer, worker = make_model(0), make_model(3)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=4)
+    sub = luopan.sync.Subscriber(tmp_path / "ch")
+    pub.publish(0, trainer)
+    sub.update(worker)
+    for step, value in ((1, 0.5), (2, -0.25), (3, 2.0)):
+        with torch.no_grad():
+            trainer[1].weight[3, 4] = value  # the same element, every version
+            trainer[1].weight[step, 0] += 1
+        pub.publish(step, trainer)
+    data = max((tmp_path / "ch" / "deltas").iterdir(), key=lambda p: p.name[9:17]).read_bytes()
+    _h, layers = parse_delta(data)
+    flat = 3 * 16 + 4
+    holding = [layer.version for layer, parts in layers for t, idx, _v in parts
+               if t.name == "1.weight" and idx is not None and flat in idx.tolist()]
+    assert holding == [4, 3, 2]  # stale copies in the older layers
+    assert sub.update(worker) == 4 and bits(worker) == bits(trainer)
+
+
+def test_a_failed_publish_starts_over_from_a_full_version(tmp_path, monkeypatch):
+    """The index cannot be placed (a disk error): publish raises a typed error, the previous index stays, and the
+    next publish writes a full version (what the failed one took in is not trusted), which workers follow."""
+    from luopan.errors import StorageError
+
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=4)
+    sub = luopan.sync.Subscriber(tmp_path / "ch")
+    for step in range(3):
+        train_step(trainer, step)
+        pub.publish(step, trainer)
+    sub.update(worker)
+    train_step(trainer, 3)
+
+    def fail(tmp, path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(luopan.sync.publisher, "_place_index", fail)
+    with pytest.raises(StorageError):
+        pub.publish(3, trainer)
+    monkeypatch.undo()
+    assert sub.update(worker) is None and sub.version == 3  # the previous index, as it was
+    assert not [n for d in ("", "full", "deltas") for n in os.listdir(tmp_path / "ch" / d) if ".tmp-" in n]
+    train_step(trainer, 4)
+    assert pub.publish(4, trainer) == 4 and "full" in pub.last_bytes
+    assert sub.update(worker) == 4 and bits(worker) == bits(trainer)
+    train_step(trainer, 5)
+    pub.publish(5, trainer)
+    assert sub.update(worker) == 5 and bits(worker) == bits(trainer) and sub.last_bytes < pub.last_bytes["deltas"] + 1
 
 
 def test_fresh_subscriber_restart_and_state_file(tmp_path, keys):
@@ -265,7 +369,9 @@ def test_tampered_delta_is_refused(tmp_path, keys):
     s.step(3)
     path = _newest_delta(s.root)
     data = bytearray(open(path, "rb").read())
-    data[-5] ^= 0x40
+    header = luopan.sync.delta.parse_header(bytes(data))
+    assert [layer.version for layer in header.layers] == [4, 3, 2]  # keep=3: down to the oldest base (1) + 1
+    data[header.layers[0].end - 5] ^= 0x40  # inside the prefix the worker at version 3 reads
     open(path, "wb").write(bytes(data))
     s.refused(CorruptDownloadError)
     assert s.sub.version == 3

@@ -29,7 +29,8 @@ FUZZ_EXAMPLES = int(os.environ.get("LUOPAN_FUZZ_EXAMPLES", "200"))
 
 
 class Channel:
-    """A signed channel of two versions (a full version and a delta 1->2) and a worker state at version 1."""
+    """A signed channel of three versions (a full version 1, a delta file of two layers: 1->3) and a worker state
+    at version 1."""
 
     def __init__(self, root: str) -> None:
         key_path, pub = generate_key(os.path.join(root, "keys"))
@@ -38,15 +39,18 @@ class Channel:
         self.key, self.trusted = load_signing_key(key_path), TrustedKeys.load(os.path.join(root, "trusted"))
         self.dir = os.path.join(root, "ch")
         trainer = make_model(0)
-        self.pub = luopan.sync.Publisher(self.dir, key=self.key, keep=2)
+        self.pub = luopan.sync.Publisher(self.dir, key=self.key, keep=3)
         train_step(trainer, 0)
         self.pub.publish(0, trainer)
         self.v1 = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
-        train_step(trainer, 1)
-        self.pub.publish(1, trainer)
+        for step in (1, 2):
+            train_step(trainer, step)
+            self.pub.publish(step, trainer)
         self.v2 = bits(trainer)
         self.index = parse_index(open(os.path.join(self.dir, "index.json"), "rb").read())
         self.delta = self.index.deltas[0]
+        assert self.delta.source == 1 and self.delta.file.size == os.path.getsize(
+            os.path.join(self.dir, self.delta.file.name))  # the whole file: both layers
         self.delta_bytes = open(os.path.join(self.dir, self.delta.file.name), "rb").read()
         self.full = self.index.versions[0].full
         self.full_bytes = open(os.path.join(self.dir, self.full.name), "rb").read()
@@ -63,7 +67,7 @@ class Channel:
         versions = self.index.versions
         if full is not None:
             open(os.path.join(self.dir, self.full.name), "wb").write(full)
-            versions = (dataclasses.replace(versions[0], full=ref(self.full, full)), versions[1])
+            versions = (dataclasses.replace(versions[0], full=ref(self.full, full)), *versions[1:])
         index = dataclasses.replace(self.index, deltas=deltas, versions=versions)
         open(os.path.join(self.dir, "index.json"), "wb").write(encode_index(index, self.key))
 
@@ -86,7 +90,7 @@ def _apply(ch: Channel, fresh: bool) -> None:
     except LuopanError:
         assert bits(worker) == before
         return
-    assert applied == 2 and bits(worker) == ch.v2
+    assert applied == 3 and bits(worker) == ch.v2
 
 
 @st.composite
@@ -98,15 +102,18 @@ def header_mutations(draw: Any, sample: bytes) -> bytes:
 
     doc = json.loads(sample[start:start + hlen])
     for _ in range(draw(st.integers(1, 3))):
-        t = draw(st.sampled_from(["top", "tensor"]))
-        tensors = doc.get("tensors") if isinstance(doc, dict) else None
-        dicts = [x for x in tensors if isinstance(x, dict)] if isinstance(tensors, list) else []
+        t = draw(st.sampled_from(["top", "layer", "tensor"]))
+        layers = doc.get("layers") if isinstance(doc, dict) else None
+        layer_docs = [x for x in layers if isinstance(x, dict)] if isinstance(layers, list) else []
+        tensors = [x for lay in layer_docs if isinstance(lay.get("tensors"), list) for x in lay["tensors"]]
+        dicts = [x for x in tensors if isinstance(x, dict)]
         if t == "tensor" and dicts:  # an earlier mutation may have replaced the list or its members
             tdoc = dicts[draw(st.integers(0, len(dicts) - 1))]
-            k = draw(st.sampled_from(sorted(tdoc) + ["extra"]))
+        elif t == "layer" and layer_docs:
+            tdoc = layer_docs[draw(st.integers(0, len(layer_docs) - 1))]
         else:
             tdoc = doc
-            k = draw(st.sampled_from(sorted(doc) + ["extra"]))
+        k = draw(st.sampled_from(sorted(tdoc) + ["extra"]))
         if draw(st.booleans()) and k in tdoc:
             del tdoc[k]
         else:
@@ -166,10 +173,14 @@ def test_fuzz_delta_parser(channel):
     def run(data: bytes) -> None:
         out = _bounded(lambda d: parse_delta(d, max_body=1 << 20), data)
         if out is not None:
-            header, parts = out
-            for t, idx, values in parts:
-                assert len(values) == t.value_bytes
-                assert idx is None or (idx.size == t.count and (idx.size == 0 or 0 <= idx[0] <= idx[-1] < t.numel))
+            header, layers = out
+            assert [layer.version for layer, _parts in layers] == \
+                list(range(header.target, header.target - len(layers), -1))
+            for layer, parts in layers:
+                for t, idx, values in parts:
+                    assert len(values) == t.value_bytes
+                    assert idx is None or (idx.size == t.count and
+                                           (idx.size == 0 or 0 <= idx[0] <= idx[-1] < t.numel))
 
     run()
 

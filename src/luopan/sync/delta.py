@@ -1,15 +1,20 @@
-"""The live-sync delta file (docs/format.md §19.1): the elements of a set of tensors that changed from one published
-version to the next, or every element (a full version).
+"""The live-sync delta file (docs/format.md §19.1): the elements of a set of tensors that changed over the last
+versions, in **layers** (newest first) so that one file serves every lag — or every element (a full version).
 
-    magic "LPSYNC\\x00\\x01" | u32 LE header length | header (canonical JSON) | one zstd frame: the body
+    magic "LPSYNC\\x00\\x01" | u32 LE header length | header (canonical JSON) | one zstd frame per layer
 
-The body is, for each tensor of the header in order, its index section then its value section. A tensor is coded
-``gaps`` (the changed elements' flat indices, ascending, as LEB128 varints of the gap to the previous one — the first
-from 0), ``bitmap`` (one bit per element, little-endian bit order, set where it changed) or ``whole`` (no index, every
-element); values are the new elements' raw little-endian bytes. Encoding and decoding are vectorised (NumPy), never
-a Python loop per element. The parser is strict: every member's type and range, every section's size, the frame's
-declared size, canonical varints, strictly ascending indices below the tensor's element count — a hostile file is a
-CorruptDownloadError before anything is sized by it beyond the declared (and checked) sizes.
+Layer ``u`` carries the elements whose last change (up to the file's version ``to``) was in version ``u``, with their
+values at ``to``; the layers are versions ``to``, ``to - 1``, … in that order, each element in one layer at most.
+So the file's prefix through layer ``b + 1`` is the delta from version ``b``: a subscriber holding ``b`` reads that
+prefix (one read, an HTTP range) and gets exactly the union of the changes since ``b``.
+
+A layer's body is, for each tensor of its header entry in order, its index section then its value section. A tensor
+is coded ``gaps`` (the changed elements' flat indices, ascending, as LEB128 varints of the gap to the previous one —
+the first from 0), ``bitmap`` (one bit per element, little-endian bit order, set where it changed) or ``whole`` (no
+index, every element); values are the new elements' raw little-endian bytes. Encoding and decoding are vectorised
+(NumPy), never a Python loop per element. The parser is strict: every member's type and range, every section's
+size, each frame's declared size, canonical varints, strictly ascending indices below the tensor's element count — a
+hostile file is a CorruptDownloadError before anything is sized by it beyond the declared (and checked) sizes.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from ..format.limits import MAX_NDIM, shape_fits
 
 MAGIC = b"LPSYNC\x00\x01"
 FORMAT = "luopan-sync-delta"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_HEADER = 16 << 20
 MAX_TENSORS = 100_000
+MAX_LAYERS = 1024
 MAX_NAME = 4096
 MAX_VARINT = 8  # bytes: 56 bits, beyond any element count (shape_fits bounds a tensor to 2**48 elements)
 MAX_VERSION = 1 << 53
@@ -38,10 +44,12 @@ ELEMENT_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1}
 MODES = ("gaps", "bitmap", "whole")
-HEADER_MEMBERS = {"base", "body_size", "format", "format_version", "from", "result", "tensors", "to"}
+HEADER_MEMBERS = {"format", "format_version", "full", "layers", "result", "to"}
+LAYER_MEMBERS = {"base", "body_size", "frame_size", "tensors", "version"}
 TENSOR_MEMBERS = {"count", "dtype", "index_bytes", "mode", "name", "shape", "value_bytes"}
 FP_LEN = len("blake3:") + 64
 _ZSTD_LEVEL = 1
+Part = tuple[str, str, tuple[int, ...], "np.ndarray | None", np.ndarray]  # name, dtype, shape, indices, value bytes
 
 
 @dataclass(frozen=True)
@@ -63,15 +71,39 @@ class TensorDelta:
 
 
 @dataclass(frozen=True)
-class DeltaHeader:
-    source: int | None  # the version it applies to (None: a full version, applies to anything)
-    target: int
-    base: str | None  # fingerprint of the tensors it applies to
-    result: str  # fingerprint of the tensors after it
+class Layer:
+    version: int  # it carries the elements whose last change was in this version
+    base: str | None  # fingerprint of version - 1: what a subscriber reading the file down to this layer holds
     tensors: tuple[TensorDelta, ...]
     body_size: int
-    body_offset: int  # where the zstd frame starts in the file
+    frame_size: int
+    offset: int  # where its zstd frame starts in the file
 
+    @property
+    def end(self) -> int:
+        return self.offset + self.frame_size
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    target: int  # the version the file brings tensors to
+    result: str  # fingerprint of the tensors at ``target``
+    full: bool  # a full version: one layer, every tensor whole
+    layers: tuple[Layer, ...]  # newest first: versions target, target - 1, …
+    body_offset: int  # where the first frame starts
+
+    def span(self, source: int | None) -> int:
+        """How many layers the delta from ``source`` reads (None: a full version's one); ValueError when the file
+        does not reach back to it."""
+        n = 1 if source is None else self.target - source
+        if not 1 <= n <= len(self.layers):
+            raise ValueError(f"its layers go down to version {self.layers[-1].version}, not to the delta from "
+                             f"version {source}")
+        return n
+
+    def prefix(self, source: int | None) -> int:
+        """The bytes of the file the delta from ``source`` is: the header and its layers' frames."""
+        return self.layers[self.span(source) - 1].end
 
 # ---------------------------------------------------------------------------------------------------- indices
 
@@ -130,9 +162,10 @@ def decode_gaps(data: np.ndarray, count: int, numel: int) -> np.ndarray:
     if multi.any() and not data[ends[multi]].all():
         raise ValueError("a varint is not in its shortest form")
     starts = ends - lengths + 1
-    group = np.repeat(np.arange(count), lengths)
-    shift = (np.arange(data.size) - starts[group]).astype(np.uint64) * np.uint64(7)
-    gaps = np.add.reduceat((data & 0x7F).astype(np.uint64) << shift, starts)
+    gaps = (data[starts] & 0x7F).astype(np.uint64)
+    for k in range(1, int(lengths.max())):  # the longer varints only, a byte position at a time
+        sel = np.flatnonzero(lengths > k)
+        gaps[sel] |= (data[starts[sel] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
     if int(gaps.max()) >= numel:
         raise ValueError(f"a gap is beyond the tensor's {numel} elements")
     idx = np.cumsum(gaps.astype(np.int64))  # each gap < numel <= 2**48: no overflow below 2**15 gaps of 2**48
@@ -160,13 +193,11 @@ def decode_bitmap(data: np.ndarray, count: int, numel: int) -> np.ndarray:
         raise ValueError(f"the bitmap sets {idx.size} bits, not {count}")
     return idx.astype(np.int64)
 
-
 # ------------------------------------------------------------------------------------------------------ files
 
-def encode_body(parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, np.ndarray]]
-                ) -> tuple[list[dict[str, Any]], int, bytes]:
-    """(the header's tensors, body_size, the zstd frame) of a delta's ``parts``: (name, dtype, shape, ascending flat
-    indices or None for the whole tensor, the carried elements' bytes as uint8)."""
+def encode_body(parts: list[Part]) -> tuple[list[dict[str, Any]], int, bytes]:
+    """(the layer's tensors, body_size, the zstd frame) of ``parts``: (name, dtype, shape, ascending flat indices or
+    None for the whole tensor, the carried elements' bytes as uint8), in ascending name order."""
     tensors, body = [], []
     for name, dtype, shape, idx, values in parts:
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -185,31 +216,41 @@ def encode_body(parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, 
     return tensors, len(raw), zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw)
 
 
-def assemble(source: int | None, target: int, base: str | None, result: str,
-             body: tuple[list[dict[str, Any]], int, bytes]) -> bytes:
-    """The delta file: magic, header, the frame of ``encode_body``."""
-    tensors, size, frame = body
-    header = canonical({"base": base, "body_size": size, "format": FORMAT, "format_version": FORMAT_VERSION,
-                        "from": source, "result": result, "tensors": tensors, "to": target})
-    return MAGIC + struct.pack("<I", len(header)) + header + frame
+def assemble(target: int, result: str, layers: list[tuple[int, str | None, tuple[list[dict[str, Any]], int, bytes]]],
+             full: bool = False) -> tuple[bytes, list[int]]:
+    """The file of ``layers`` — (version, base fingerprint, ``encode_body``'s result), newest first — and where
+    each layer's frame ends in it (the size of the delta down to that layer)."""
+    docs = [{"base": base, "body_size": size, "frame_size": len(frame), "tensors": tensors, "version": version}
+            for version, base, (tensors, size, frame) in layers]
+    header = canonical({"format": FORMAT, "format_version": FORMAT_VERSION, "full": full, "layers": docs,
+                        "result": result, "to": target})
+    head = MAGIC + struct.pack("<I", len(header)) + header
+    ends, at = [], len(head)
+    for _v, _b, (_t, _s, frame) in layers:
+        at += len(frame)
+        ends.append(at)
+    return b"".join([head, *(frame for _v, _b, (_t, _s, frame) in layers)]), ends
 
 
-def encode_delta(source: int | None, target: int, base: str | None, result: str,
-                 parts: list[tuple[str, str, tuple[int, ...], np.ndarray | None, np.ndarray]]) -> bytes:
-    """The file of a delta (``encode_body``, ``assemble``)."""
-    return assemble(source, target, base, result, encode_body(parts))
+def encode_delta(source: int | None, target: int, base: str | None, result: str, parts: list[Part]) -> bytes:
+    """A file of one layer: the delta from ``target - 1`` (``source``, of fingerprint ``base``) carrying ``parts``,
+    or (``source`` and ``base`` None) a full version."""
+    if source is not None and source != target - 1:
+        raise ValueError("a file of one layer goes from target - 1 to target")
+    return assemble(target, result, [(target, base, encode_body(parts))], full=source is None)[0]
 
 
-def parse_header(data: bytes | memoryview, where: str = "delta") -> DeltaHeader:
+def parse_header(data: bytes | memoryview, where: str = "delta", layers: int | None = None) -> DeltaHeader:
     """The header of a delta file, every member checked (CorruptDownloadError; UnsupportedFormatError for a newer
-    format_version)."""
+    format_version). ``layers``: check the tensors of the first so many layers only (those a subscriber reads; the
+    header of the others is parsed, their tensors are not: ``Layer.tensors`` is empty for them)."""
     try:
-        return _parse_header(memoryview(data), where)
+        return _parse_header(memoryview(data), where, layers)
     except (ValueError, SealError) as exc:
         raise CorruptDownloadError(f"live-sync delta {where} is refused: {exc}. Nothing was applied") from None
 
 
-def _parse_header(data: memoryview, where: str) -> DeltaHeader:
+def _parse_header(data: memoryview, where: str, upto: int | None = None) -> DeltaHeader:
     if len(data) < len(MAGIC) + 4 or bytes(data[:len(MAGIC)]) != MAGIC:
         raise ValueError("it does not start with the live-sync delta magic")
     (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
@@ -226,26 +267,44 @@ def _parse_header(data: memoryview, where: str) -> DeltaHeader:
                                      f"({FORMAT_VERSION}); upgrade luopan on the subscriber")
     _members(doc, HEADER_MEMBERS, "the header")
     if fv != FORMAT_VERSION:
-        raise ValueError(f"format_version is not {FORMAT_VERSION}")
+        raise ValueError(f"format_version is not {FORMAT_VERSION} (a file of an older luopan.sync: publish again "
+                         "with this version)")
     if canonical(doc) != raw:
         raise ValueError("its header is not canonical JSON")
     target = _int(doc["to"], "to", 1, MAX_VERSION)
-    source = None if doc["from"] is None else _int(doc["from"], "from", 1, target - 1)
-    base = None if doc["base"] is None else _fp(doc["base"], "base")
-    if (source is None) != (base is None):
-        raise ValueError("from and base are not both set (a delta) or both null (a full version)")
     result = _fp(doc["result"], "result")
-    items = doc["tensors"]
-    if not isinstance(items, list) or len(items) > MAX_TENSORS:
-        raise ValueError(f"tensors is not a list of at most {MAX_TENSORS}")
-    tensors = tuple(_tensor(t, full=source is None) for t in items)
-    names = [t.name for t in tensors]
-    if names != sorted(set(names)):
-        raise ValueError("tensor names are not unique and in ascending order")
-    body = _int(doc["body_size"], "body_size", 0, 1 << 50)
-    if body != sum(t.index_bytes + t.value_bytes for t in tensors):
-        raise ValueError("body_size is not the sum of the tensors' sections")
-    return DeltaHeader(source, target, base, result, tensors, body, start + hlen)
+    full = doc["full"]
+    if not isinstance(full, bool):
+        raise ValueError("full is not true or false")
+    items = doc["layers"]
+    if not isinstance(items, list) or not 1 <= len(items) <= (1 if full else min(MAX_LAYERS, target - 1)):
+        raise ValueError("layers is not a list of one layer (a full version) or of 1 to "
+                         f"{MAX_LAYERS} layers, none before version 2")
+    layers, at, count = [], start + hlen, 0
+    for k, item in enumerate(items):
+        _members(item, LAYER_MEMBERS, "a layer")
+        version = _int(item["version"], "a layer's version", 1, MAX_VERSION)
+        if version != target - k:
+            raise ValueError(f"layer {k} is of version {version}, not {target - k}: the layers go from the newest "
+                             "version down, one each")
+        base = None if item["base"] is None else _fp(item["base"], f"layer {version}: base")
+        if (base is None) != full:
+            raise ValueError(f"layer {version}: base is {'set in a full version' if full else 'null in a delta'}")
+        tensors = item["tensors"]
+        count += len(tensors) if isinstance(tensors, list) else 0
+        if not isinstance(tensors, list) or count > MAX_TENSORS:
+            raise ValueError(f"layer {version}: tensors is not a list, or the layers hold over {MAX_TENSORS}")
+        ts = tuple(_tensor(t, full) for t in tensors) if upto is None or k < upto else ()
+        names = [t.name for t in ts]
+        if names != sorted(set(names)):
+            raise ValueError(f"layer {version}: tensor names are not unique and in ascending order")
+        body = _int(item["body_size"], f"layer {version}: body_size", 0, 1 << 50)
+        if (upto is None or k < upto) and body != sum(t.index_bytes + t.value_bytes for t in ts):
+            raise ValueError(f"layer {version}: body_size is not the sum of the tensors' sections")
+        frame = _int(item["frame_size"], f"layer {version}: frame_size", 1, 1 << 50)
+        layers.append(Layer(version, base, ts, body, frame, at))
+        at += frame
+    return DeltaHeader(target, result, full, tuple(layers), start + hlen)
 
 
 def _tensor(t: Any, full: bool) -> TensorDelta:
@@ -284,35 +343,47 @@ def _tensor(t: Any, full: bool) -> TensorDelta:
     return td
 
 
-def read_body(data: bytes | memoryview, header: DeltaHeader, where: str = "delta",
-              max_body: int | None = None) -> memoryview:
-    """The body of a delta file whose header is ``header``: exactly one zstd frame declaring and holding
-    ``body_size`` bytes, nothing after it. ``max_body``: refuse a larger declared body before decompressing (a
-    subscriber checks the header's tensors against its own first, which bounds the body by the model's size)."""
-    frame = memoryview(data)[header.body_offset:]
+def held_layers(data: bytes | memoryview, header: DeltaHeader, where: str = "delta") -> int:
+    """How many layers ``data`` (the file, or a prefix of it) holds whole: it must end exactly after a frame."""
+    for k, layer in enumerate(header.layers):
+        if layer.end == len(data):
+            return k + 1
+    raise CorruptDownloadError(f"live-sync delta {where} is refused: its {len(data)} bytes do not end where a "
+                               "layer's frame ends. Nothing was applied")
+
+
+def read_body(data: bytes | memoryview, layer: Layer, where: str = "delta", max_body: int | None = None
+              ) -> memoryview:
+    """The body of ``layer``: exactly one zstd frame filling its ``frame_size`` bytes, declaring and holding its
+    ``body_size`` bytes. ``max_body``: refuse a larger declared body before decompressing (a subscriber checks the
+    header's tensors against its own first, which bounds the body by the model's size)."""
+    frame = memoryview(data)[layer.offset:layer.end]
     try:
-        if max_body is not None and header.body_size > max_body:
-            raise ValueError(f"its body of {header.body_size} bytes is over the limit of {max_body}")
+        if len(frame) != layer.frame_size:
+            raise ValueError(f"layer {layer.version}'s frame is cut short")
+        if max_body is not None and layer.body_size > max_body:
+            raise ValueError(f"layer {layer.version}'s body of {layer.body_size} bytes is over the limit of "
+                             f"{max_body}")
         declared = zstandard.frame_content_size(frame)
-        if declared != header.body_size:
-            raise ValueError(f"its zstd frame declares {declared} bytes, not the header's body_size "
-                             f"{header.body_size}")
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(1, header.body_size),
+        if declared != layer.body_size:
+            raise ValueError(f"layer {layer.version}'s zstd frame declares {declared} bytes, not its body_size "
+                             f"{layer.body_size}")
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(1, layer.body_size),
                                                       allow_extra_data=False)
     except (ValueError, zstandard.ZstdError) as exc:
         raise CorruptDownloadError(f"live-sync delta {where} is refused: {exc}. Nothing was applied") from None
-    if len(out) != header.body_size:
-        raise CorruptDownloadError(f"live-sync delta {where} is refused: its body is {len(out)} bytes, not "
-                                   f"{header.body_size}. Nothing was applied")
+    if len(out) != layer.body_size:
+        raise CorruptDownloadError(f"live-sync delta {where} is refused: layer {layer.version}'s body is {len(out)} "
+                                   f"bytes, not {layer.body_size}. Nothing was applied")
     return memoryview(out)
 
 
-def sections(body: memoryview, header: DeltaHeader, where: str = "delta"
+def sections(body: memoryview, layer: Layer, where: str = "delta"
              ) -> list[tuple[TensorDelta, np.ndarray | None, memoryview]]:
-    """For each tensor: (its entry, its flat indices — None when whole —, its values' bytes); CorruptDownloadError
-    for an index section that does not hold what the header says."""
+    """For each tensor of ``layer``: (its entry, its flat indices — None when whole —, its values' bytes);
+    CorruptDownloadError for an index section that does not hold what the header says."""
     out, at = [], 0
-    for t in header.tensors:
+    for t in layer.tensors:
         index = np.frombuffer(body, np.uint8, t.index_bytes, at)
         at += t.index_bytes
         values = body[at:at + t.value_bytes]
@@ -321,17 +392,20 @@ def sections(body: memoryview, header: DeltaHeader, where: str = "delta"
             idx = None if t.mode == "whole" else (decode_gaps(index, t.count, t.numel) if t.mode == "gaps" else
                                                   decode_bitmap(index, t.count, t.numel))
         except ValueError as exc:
-            raise CorruptDownloadError(f"live-sync delta {where} is refused: tensor {t.name[:80]!r}: {exc}. "
-                                       "Nothing was applied") from None
+            raise CorruptDownloadError(f"live-sync delta {where} is refused: layer {layer.version}, tensor "
+                                       f"{t.name[:80]!r}: {exc}. Nothing was applied") from None
         out.append((t, idx, values))
     return out
 
 
 def parse_delta(data: bytes, where: str = "delta", max_body: int | None = None
-                ) -> tuple[DeltaHeader, list[tuple[TensorDelta, Any, Any]]]:
-    """Header and decoded sections of a whole delta file (what the fuzz tests feed)."""
+                ) -> tuple[DeltaHeader, list[tuple[Layer, list[tuple[TensorDelta, Any, Any]]]]]:
+    """Header and decoded sections of each layer a delta file (or a prefix of one, ending after a frame) holds,
+    newest first (what the fuzz tests feed)."""
     header = parse_header(data, where)
-    return header, sections(read_body(data, header, where, max_body), header, where)
+    n = held_layers(data, header, where)
+    return header, [(layer, sections(read_body(data, layer, where, max_body), layer, where))
+                    for layer in header.layers[:n]]
 
 
 def _members(obj: Any, members: set[str], what: str) -> None:

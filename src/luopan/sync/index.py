@@ -32,7 +32,7 @@ from .delta import MAX_VERSION
 
 INDEX_NAME = "index.json"
 FORMAT = "luopan-sync-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_INDEX_BYTES = 1 << 20
 MAX_DEPTH = 4
 MAX_ENTRIES = 1024
@@ -93,6 +93,7 @@ class SyncIndex:
         return next(v for v in reversed(self.versions) if v.full is not None)
 
     def files(self) -> list[FileRef]:
+        """Every file entry (a delta file once per delta: each names a prefix of it)."""
         return [v.full for v in self.versions if v.full is not None] + [d.file for d in self.deltas]
 
     def to_doc(self) -> dict[str, Any]:
@@ -157,9 +158,14 @@ def _check(doc: dict[str, Any]) -> SyncIndex:
                                                   f"the delta {source}->{target}")))
     if len({d.source for d in ds}) != len(ds):
         raise ValueError("two deltas start from the same version")
-    names = [f.name for f in [v.full for v in vs if v.full is not None] + [d.file for d in ds]]
-    if len(set(names)) != len(names):
-        raise ValueError("two entries name the same file")
+    fulls = [v.full.name for v in vs if v.full is not None]
+    if len(set(fulls)) != len(fulls) or set(fulls) & {d.file.name for d in ds}:
+        raise ValueError("two entries name the same file (only deltas share one: each is a prefix of it)")
+    sizes: dict[str, set[int]] = {}
+    for d in ds:  # the deltas of one file are prefixes of it: a longer one from an older version
+        sizes.setdefault(d.file.name, set()).add(d.file.size)
+    if sum(len(x) for x in sizes.values()) != len(ds):
+        raise ValueError("two deltas name the same bytes of one file")
     return SyncIndex(doc["channel"], version, created, expires, vs, tuple(ds), sig)
 
 

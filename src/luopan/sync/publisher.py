@@ -6,27 +6,31 @@ A target is a directory (a shared filesystem, or the root of any static web serv
     index.json                                  signed index, written last (luopan.sync.index)
     full/00000001-1a2b3c4d5e6f7a8b.lpsync       a full version: every tensor whole (at the start, then every
                                                 ``full_every`` publishes)
-    deltas/00000007-00000009-9c8d….lpsync        a delta from each of the last ``keep`` versions to the newest
+    deltas/00000003-00000009-9c8d….lpsync        the delta file of version 9: layers 9, 8, …, 4 (newest first); its
+                                                prefix through layer b + 1 is the delta from version b
 
-Write order: the new files are written to temporary names, fsynced, renamed into place and their directories fsynced;
-then the index naming them replaces the old one (temp, fsync, rename, fsync); only then are files that neither the
-new index nor the one it replaced names removed, so a subscriber that read the previous index still finds its file.
-A killed or interrupted publish leaves the previous index and its files as they were (temporary files are removed
-by the next Publisher on the target). The publisher keeps one CPU copy of the last published weights and, per
-element, the version it last changed in: a delta from any of the last ``keep`` versions is a comparison away.
+One file a publish serves every lag: layer ``u`` carries the elements that changed in version ``u`` (encoded once,
+when ``u`` is published, and again only when a quarter of it changed since), so the publish encodes one new layer
+and writes one file. Write order: the new files and the index are written to temporary names and fsynced, the files
+renamed into place and their directories fsynced, then the index renamed into place and the target fsynced; the
+files that neither the new index nor the one it replaced names are removed afterwards, in the background, so a
+subscriber that read the previous index still finds its file. A killed or interrupted publish leaves the previous
+index and its files as they were (temporary files are removed by the next Publisher on the target). The publisher
+keeps one CPU copy of the last published weights, per element the version it last changed in, and the change lists
+of the last ``keep`` versions.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 import time
 from typing import Any
 
 import blake3
 
-from .._files import fsync_dir, make_dirs, write_atomic, write_error
+from .._files import fsync_dir, make_dirs, write_error
 from ..channel.files import publish_lock
 from ..channel.index import FileRef, format_time
 from ..errors import UsageError
@@ -38,7 +42,7 @@ from .index import INDEX_NAME, SyncDelta, SyncIndex, SyncVersion, encode_index, 
 from .tensors import Published, leaves_of
 
 FULL_DIR, DELTA_DIR, SUFFIX = "full", "deltas", ".lpsync"
-_POOL = ThreadPoolExecutor(2, thread_name_prefix="luopan-sync")  # BLAKE3, NumPy and zstd release the GIL
+_POOL = ThreadPoolExecutor(3, thread_name_prefix="luopan-sync")  # BLAKE3, NumPy and zstd release the GIL
 TMP_MARK = ".tmp-"
 
 
@@ -46,12 +50,13 @@ class Publisher:
     """Publish weights to ``target`` (a directory) as a signed, versioned live-sync channel.
 
     ``key``: an Ed25519 SigningKey (or the path of a ``.key`` file, luopan key gen) that signs every index; None
-    publishes unsigned indexes (only subscribers without trusted keys accept them). ``keep``: deltas are written from
-    each of the last ``keep`` versions, so a subscriber that missed up to ``keep - 1`` publishes catches up in one
-    fetch. ``full_every``: a full version at the first publish and then every so many (at most ``keep``, so a new
-    subscriber always finds a full version and one delta from it). ``spacing="doubling"`` writes deltas only from the
-    versions 1, 2, 4, … and ``keep`` publishes back (log2(keep) deltas a publish instead of keep): a delta from
-    version b carries every element changed since b, so it serves a subscriber holding any version from b on.
+    publishes unsigned indexes (only subscribers without trusted keys accept them). ``keep``: the index lists a
+    delta from each of the last ``keep`` versions (prefixes of one file), so a subscriber that missed up to
+    ``keep - 1`` publishes catches up in one read of the union of the changes it missed. ``full_every``: a full
+    version at the first publish and then every so many (at most ``keep``, so a new subscriber always finds a full
+    version and one delta from it). ``spacing="doubling"`` lists deltas only from the versions 1, 2, 4, … and
+    ``keep`` publishes back (a shorter index; a delta from version b serves a subscriber holding any version from b
+    on, reading more than it needs).
     ``expires``: how long an index stays valid (a subscriber refuses an expired one: publish at least that often).
     ``channel``: the name subscribers check."""
 
@@ -82,6 +87,7 @@ class Publisher:
         self._layout: list[Any] | None = None
         self._versions: list[SyncVersion] = []  # published by this Publisher, oldest first
         self._index: SyncIndex | None = None
+        self._index_bytes = b""
         make_dirs(self.root)
         for sub in (FULL_DIR, DELTA_DIR):
             make_dirs(os.path.join(self.root, sub))
@@ -89,7 +95,8 @@ class Publisher:
             self._clear_temporaries()
             self._index = self._read_index()
         self.version = self._index.version if self._index is not None else 0
-        self.last_bytes: dict[str, int] = {}  # what the last publish wrote: {"full": n, "delta:<from>": n}
+        self.last_bytes: dict[str, int] = {}  # what the last publish wrote: {"full": n, "deltas": n}
+        self._cleanup: Future[None] | None = None  # the last publish's removal of files no index names
         self.changed = 0  # elements changed by the last publish
 
     def _read_index(self) -> SyncIndex | None:
@@ -101,6 +108,8 @@ class Publisher:
             return None
         except OSError as exc:
             raise write_error(exc, path) from None
+        if self._index is not None and data == self._index_bytes:  # as this Publisher left it: parsed already
+            return self._index
         index = parse_index(data, path)
         if index.channel != self.channel:
             raise UsageError(f"{self.root} holds live-sync channel {index.channel!r}, not {self.channel!r}: pass "
@@ -125,6 +134,7 @@ class Publisher:
         leaves = leaves_of(model_or_state)
         layout = [(lf.path, lf.dtype, tuple(lf.shape)) for lf in leaves]
         with publish_lock(self.root):
+            self.wait()
             on_disk = self._read_index()
             if (on_disk.version if on_disk is not None else 0) != self.version:
                 raise UsageError(
@@ -132,56 +142,70 @@ class Publisher:
                     f"{on_disk.version if on_disk is not None else 'none'}, not {self.version} as this Publisher "
                     "left it: another Publisher published there (or the directory was changed). One Publisher per "
                     "target: make a new Publisher to continue from what is there")
-            v = self.version + 1
-            fresh = layout != self._layout or v >= 2**31 - 1  # per-element stamps are int32
-            if fresh:  # first publish, or the model's tensors changed: only a full version this time
-                self._pub.reset(leaves, v)
-                self._layout, self._versions = layout, []
-                self.changed = sum(int(lf.obj.numel()) for lf in leaves)
-            else:
-                self.changed = self._pub.update(leaves, v)
-            kept = self._versions[-self.keep:]
-            bases = kept if self.spacing == "each" else \
-                [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0]]
-            last_full = max((x.version for x in kept if x.full is not None), default=0)
-            want_full = fresh or v - last_full >= self.full_every
-            # the changed tensors are hashed (the new fingerprint) while the delta bodies are encoded
-            hashing = _POOL.submit(self._pub.rehash)
-            parts = self._pub.delta_parts([b.version for b in bases]) if bases else {}
-            bodies = list(_POOL.map(encode_body, [parts[b.version] for b in bases]))
-            full_body = encode_body(self._pub.full_parts()) if want_full else None
-            fp = hashing.result()
-            files: list[tuple[str, bytes]] = []
-            full_ref = None
-            if full_body is not None:
-                data = assemble(None, v, None, fp, full_body)
-                full_ref = _ref(f"{FULL_DIR}/{v:08d}-{fp[7:23]}{SUFFIX}", data)
-                files.append((full_ref.name, data))
-            deltas = []
-            for b, body in zip(bases, bodies):
-                data = assemble(b.version, v, b.fingerprint, fp, body)
-                ref = _ref(f"{DELTA_DIR}/{b.version:08d}-{v:08d}-{blake3.blake3(data).hexdigest()[:16]}{SUFFIX}",
-                           data)
-                files.append((ref.name, data))
-                deltas.append(SyncDelta(b.version, v, ref))
-            new = SyncVersion(v, step, fp, full_ref)
-            now = time.time()
-            index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
-                              (*kept, new), tuple(deltas), None)
-            data = encode_index(index, self.key)
-            self._write_files(files)
-            write_atomic(os.path.join(self.root, INDEX_NAME), data)
-            self._remove_unlisted(index, self._index)
-            self._index = index
-            self._versions = [*kept, new]
-            self.version = v
-            self.last_bytes = {("full" if n.startswith(FULL_DIR) else "delta:" + n.split("/")[1][:8].lstrip("0")):
-                               len(d) for n, d in files}
+            try:
+                v = self.version + 1
+                fresh = layout != self._layout or v >= 2**31 - 1  # per-element stamps are int32
+                if fresh:  # first publish, or the model's tensors changed: only a full version this time
+                    self._pub.reset(leaves, v)
+                    self._layout, self._versions = layout, []
+                    self.changed = sum(int(lf.obj.numel()) for lf in leaves)
+                else:
+                    self.changed = self._pub.update(leaves, v, _POOL)
+                kept = self._versions[-self.keep:]
+                bases = kept if self.spacing == "each" else \
+                    [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0]]
+                last_full = max((x.version for x in kept if x.full is not None), default=0)
+                want_full = fresh or v - last_full >= self.full_every
+                layers = list(range(v, kept[0].version, -1)) if kept else []  # newest first, to the oldest base + 1
+                bodies = [self._pub.layer(u, encode_body) for u in layers]
+                full_body = encode_body(self._pub.full_parts()) if want_full else None
+                fp = self._pub.fingerprint()
+                files: list[tuple[str, bytes]] = []
+                full_ref = None
+                if full_body is not None:
+                    data, _ends = assemble(v, fp, [(v, None, full_body)], full=True)
+                    full_ref = _ref(f"{FULL_DIR}/{v:08d}-{fp[7:23]}{SUFFIX}", data)
+                    files.append((full_ref.name, data))
+                deltas = []
+                if layers:
+                    prints = {x.version: x.fingerprint for x in kept}
+                    data, ends = assemble(v, fp, [(u, prints[u - 1], body) for u, body in zip(layers, bodies)])
+                    hasher, upto, prefix = blake3.blake3(), 0, {}  # the BLAKE3 of each prefix, in one pass
+                    for u, end in zip(layers, ends):
+                        hasher.update(memoryview(data)[upto:end])
+                        upto, prefix[u - 1] = end, (end, hasher.copy().hexdigest())
+                    name = f"{DELTA_DIR}/{kept[0].version:08d}-{v:08d}-{prefix[kept[0].version][1][:16]}{SUFFIX}"
+                    files.append((name, data))
+                    deltas = [SyncDelta(b.version, v, FileRef(name, *prefix[b.version])) for b in bases]
+                new = SyncVersion(v, step, fp, full_ref)
+                now = time.time()
+                index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
+                                  (*kept, new), tuple(deltas), None)
+                data = encode_index(index, self.key)
+                self._write_files(files, data)
+                prev, self._index, self._index_bytes = self._index, index, data
+                self._versions = [*kept, new]
+                self._pub.forget(self._versions[-self.keep:][0].version)
+                self.version = v
+                self.last_bytes = {("full" if n.startswith(FULL_DIR) else "deltas"): len(d) for n, d in files}
+                self._cleanup = _POOL.submit(self._remove_unlisted, index, prev)
+            except BaseException:
+                # what was taken in may not be what is published: the next publish starts over from a full version
+                self._layout = None
+                raise
         return v
 
-    def _write_files(self, files: list[tuple[str, bytes]]) -> None:
-        """Write each file to a temporary name and fsync it (on two threads: the syncs overlap), rename each into
-        place, then fsync the directories."""
+    def wait(self) -> None:
+        """Wait for the last publish's removal of the files that no index names any more (it runs in the
+        background, after the publish returned)."""
+        if self._cleanup is not None:
+            self._cleanup.result()
+            self._cleanup = None
+
+    def _write_files(self, files: list[tuple[str, bytes]], index: bytes) -> None:
+        """Write each file and the index to temporary names and fsync them (on the pool's threads: the syncs
+        overlap); rename the files into place and fsync their directories; only then rename the index into place
+        and fsync the target directory. Any failure removes the temporary files: the previous index is in place."""
         def write(item: tuple[str, bytes]) -> str:
             name, data = item
             tmp = f"{os.path.join(self.root, name)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
@@ -198,26 +222,46 @@ class Publisher:
             os.close(fd)
             return tmp
 
-        futures = [_POOL.submit(write, item) for item in files]
+        items = [*files, (INDEX_NAME, index)]
+        futures = [_POOL.submit(write, item) for item in items]
         try:
             temps = [f.result() for f in futures]
             for (name, _data), tmp in zip(files, temps):
                 os.replace(tmp, os.path.join(self.root, name))
             for sub in {n.split("/")[0] for n, _d in files}:
                 fsync_dir(os.path.join(self.root, sub))
+            _place_index(temps[-1], os.path.join(self.root, INDEX_NAME))
         except OSError as exc:
             for f in futures:
                 if f.exception() is None and os.path.exists(f.result()):
                     _unlink(f.result())
             raise write_error(exc, self.root, "the previous index and its files are unchanged") from None
+        try:
+            fsync_dir(self.root)
+        except OSError as exc:
+            raise write_error(exc, os.path.join(self.root, INDEX_NAME), placed=True) from None
 
     def _remove_unlisted(self, index: SyncIndex, prev: SyncIndex | None) -> None:
+        """Delete the ``.lpsync`` files neither ``index`` nor ``prev`` names (a subscriber that read ``prev`` still
+        finds its file). Best effort: what a failure leaves is deleted by a later publish."""
         keep = {f.name for f in index.files()} | ({f.name for f in prev.files()} if prev is not None else set())
         for sub in (FULL_DIR, DELTA_DIR):
             d = os.path.join(self.root, sub)
-            for name in os.listdir(d):
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
                 if f"{sub}/{name}" not in keep and name.endswith(SUFFIX) and TMP_MARK not in name:
-                    _unlink(os.path.join(d, name))
+                    try:
+                        _unlink(os.path.join(d, name))
+                    except OSError:
+                        pass
+
+
+def _place_index(tmp: str, path: str) -> None:
+    """Rename the new index into place: the step that publishes (a seam the kill tests stop at)."""
+    os.replace(tmp, path)
 
 
 def _ref(name: str, data: bytes) -> FileRef:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 from typing import Any
 
@@ -32,11 +33,12 @@ from ..errors import (
 )
 from ..format.canonical import SealError, seal, unseal
 from ..signing import TrustedKeys
-from .delta import parse_header, read_body, sections
+from .delta import held_layers, parse_header, read_body, sections
 from .index import INDEX_NAME, MAX_INDEX_BYTES, Seen, SyncIndex, SyncVersion, accept_index
 from .tensors import Stage, leaves_of
 
 STATE_FORMAT = "luopan-sync-state"
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="luopan-sync-apply")  # hashing the staged tensors
 TIMEOUT = 60.0
 
 
@@ -129,7 +131,7 @@ class Subscriber:
                         f"live-sync index at {self.source} lists no delta from its newest full version "
                         f"{full.version} to {latest.version}: it was not written by luopan.sync. Nothing was applied")
                 self._load(d.file, stage, full, latest)
-        result, digests = stage.fingerprint()
+        result, digests = stage.fingerprint(_POOL)
         if result != latest.fingerprint:
             raise CorruptDownloadError(
                 f"the update to version {latest.version} from {self.source} would give tensors of fingerprint "
@@ -143,22 +145,36 @@ class Subscriber:
         self.version, self.step, self.fingerprint = v.version, v.step, fp
 
     def _load(self, ref: FileRef, stage: Stage, base: SyncVersion | None, target: SyncVersion) -> None:
+        """Stage the file ``ref`` names — for a delta, the prefix of its file holding the layers after ``base`` —
+        checked against the index before anything is decoded."""
         data = self._get(ref.name, ref)
         where = self._where(ref.name)
-        header = parse_header(data, where)
-        if header.base is not None and base is not None and header.base != base.fingerprint:
-            raise BaseMismatchError(
-                f"live-sync delta {where} applies to tensors of fingerprint {header.base[:23]}…, not to version "
-                f"{base.version} ({base.fingerprint[:23]}…) that this subscriber holds: refused, nothing was applied")
-        want = (None if base is None else base.version, target.version, None if base is None else base.fingerprint,
-                target.fingerprint)
-        if (header.source, header.target, header.base, header.result) != want:
+        source = None if base is None else base.version
+        header = parse_header(data, where, None if base is None else target.version - base.version)
+        try:
+            n = header.span(source)
+        except ValueError as exc:
+            raise CorruptDownloadError(f"live-sync delta {where} is refused: {exc}. Nothing was applied") from None
+        if (header.full, header.target, header.result) != (base is None, target.version, target.fingerprint):
             raise CorruptDownloadError(
-                f"live-sync delta {where} goes from version {header.source} to {header.target}, not from "
-                f"{want[0]} to {want[1]} as the index says: refused, nothing was applied")
-        stage.check_layout(header.tensors, base is None, where)
-        for t, idx, values in sections(read_body(data, header, where), header, where):
-            stage.add(t, idx, values)
+                f"live-sync delta {where} goes to version {header.target} ({header.result[:23]}…"
+                f"{', a full version' if header.full else ''}), not to {target.version} ({target.fingerprint[:23]}…"
+                f"{', a full version' if base is None else f' from {source}'}) as the index says: refused, nothing "
+                "was applied")
+        if held_layers(data, header, where) != n:
+            raise CorruptDownloadError(f"live-sync delta {where}: the {len(data)} bytes the index lists for the "
+                                       f"delta from {source} are not its {n} layer(s): refused, nothing was applied")
+        layers = header.layers[:n]
+        if base is not None and layers[-1].base != base.fingerprint:
+            raise BaseMismatchError(
+                f"live-sync delta {where} applies to tensors of fingerprint {str(layers[-1].base)[:23]}…, not to "
+                f"version {base.version} ({base.fingerprint[:23]}…) that this subscriber holds: refused, nothing was "
+                "applied")
+        for layer in layers:
+            stage.check_layout(layer.tensors, base is None, where)
+        for layer in reversed(layers):  # oldest first: a newer layer's element is written over an older one's
+            for t, idx, values in sections(read_body(data, layer, where), layer, where):
+                stage.add(t, idx, values)
         self.last_bytes += len(data)
 
     # --------------------------------------------------------------------------------------------- fetching
@@ -167,7 +183,8 @@ class Subscriber:
         return f"{self.source.rstrip('/')}/{name}"
 
     def _get(self, name: str, ref: FileRef | None) -> bytes:
-        """A file of the target, at most its listed size (or the index limit), checked against ``ref``."""
+        """A file of the target: the index (at most its limit), or the first ``ref.size`` bytes of a listed file
+        (all of a full version; the prefix a delta is of its file), checked against ``ref``."""
         limit = MAX_INDEX_BYTES if ref is None else ref.size
         where = self._where(name)
         if self.http:
@@ -175,7 +192,7 @@ class Subscriber:
         else:
             try:
                 with open(os.path.join(self.source, name), "rb") as f:
-                    data = f.read(limit + 1)
+                    data = f.read(limit + 1 if ref is None else limit)
             except FileNotFoundError:
                 if ref is not None:
                     raise _Missing() from None
@@ -191,12 +208,17 @@ class Subscriber:
         return data
 
     def _get_http(self, url: str, limit: int, listed: bool) -> bytes:
+        """The index (at most ``limit`` + 1 bytes, to see it is too long), or the first ``limit`` bytes of a listed
+        file: an HTTP range request (a server that ignores it sends the whole file, of which that much is read)."""
+        headers = {"Cache-Control": "no-cache"}
+        if listed:
+            headers["Range"] = f"bytes=0-{limit - 1}"
         try:
-            req = urllib.request.Request(url, headers={"Cache-Control": "no-cache"})
+            req = urllib.request.Request(url, headers=headers)
             with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:  # noqa: S310 - an http(s) URL, checked
-                return resp.read(limit + 1)
+                return resp.read(limit if listed else limit + 1)
         except urllib.error.HTTPError as exc:
-            if exc.code == 404 and listed:
+            if exc.code in (404, 416) and listed:
                 raise _Missing() from None
             raise ChannelDownloadError(f"cannot fetch {url}: HTTP {exc.code}") from None
         except (urllib.error.URLError, OSError) as exc:

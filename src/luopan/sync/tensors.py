@@ -89,72 +89,119 @@ class Record:
 
 
 @dataclass
+class Changes:
+    """The elements of one tensor that changed in one version: ascending flat indices, their bits then, and how
+    many of them have changed again since."""
+
+    idx: np.ndarray
+    vals: np.ndarray
+    dead: int = 0
+
+
+@dataclass
 class Published:
+    """The publisher's view: a record per tensor; per version still in the delta window, the elements that changed
+    in it (``log``) and its delta layer as last encoded (``frames``, with the elements it then carried). A layer is
+    encoded once, when its version is published, and again only when more than a quarter of what it carries has
+    changed since (so a catch-up reads at most 4/3 of the union of the changes)."""
+
     records: dict[str, Record] = field(default_factory=dict)
+    log: dict[int, dict[str, Changes]] = field(default_factory=dict)
+    frames: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    REENCODE = 0.75
 
     def fingerprint(self) -> str:
         return fingerprint_of([(p, r.dtype, r.shape, r.digest) for p, r in self.records.items()])
 
     def reset(self, leaves: list[Leaf], version: int) -> None:
-        self.records = {}
+        self.records, self.log, self.frames = {}, {}, {}
         for lf in leaves:
             last = bits_of(lf.obj).copy()
             stamp = np.full(last.shape, version, np.int32) if lf.dtype in ELEMENT_DTYPES else None
             self.records[lf.path] = Record(lf.dtype, lf.shape, last, stamp, version, digest(last))
 
-    def update(self, leaves: list[Leaf], version: int) -> int:
-        """Take the new values of ``leaves`` as ``version``; the number of elements whose bits changed. The changed
-        tensors' digests are left to ``rehash`` (run beside the encoding)."""
-        changed = 0
-        self.stale: list[Record] = []
-        for lf in leaves:
-            r = self.records[lf.path]
-            cur = bits_of(lf.obj)
-            idx = np.flatnonzero(cur != r.last)
+    def update(self, leaves: list[Leaf], version: int, pool: Any = None) -> int:
+        """Take the new values of ``leaves`` as ``version`` and digest the tensors that changed; the number of
+        elements whose bits changed. The elements that changed are struck from the change lists of the older
+        versions they were in. ``pool``: an executor to do the tensors on several threads (NumPy and BLAKE3 release
+        the GIL; each tensor's work touches only its own record and change lists)."""
+        self.log[version] = {}
+        window = [u for u in self.log if u != version]
+        counts = list((pool.map if pool is not None else map)(lambda lf: self._take(lf, version, window), leaves))
+        return sum(counts)
+
+    def _take(self, lf: Leaf, version: int, window: list[int]) -> int:
+        r = self.records[lf.path]
+        cur = bits_of(lf.obj)
+        idx = np.flatnonzero(cur != r.last)
+        if not idx.size:
+            return 0
+        if r.stamp is not None:
+            vals = cur[idx]
+            if window:  # count, per older version, its elements that changed again (a bincount, no search)
+                lo = min(window)
+                rel = r.stamp[idx] - lo
+                counts = np.bincount(rel[rel >= 0], minlength=version - lo)
+                for u in window:
+                    e = self.log[u].get(lf.path)
+                    if e is not None and counts[u - lo]:
+                        e.dead += int(counts[u - lo])
+            r.last[idx] = vals
+            r.stamp[idx] = version
+            self.log[version][lf.path] = Changes(idx, vals)
+        else:
+            r.last[:] = cur
+        r.changed = version
+        r.digest = digest(r.last)
+        return int(idx.size)
+
+    def forget(self, oldest: int) -> None:
+        """Drop what is kept of versions at or before ``oldest``: no layer will be written for them."""
+        for v in [v for v in self.log if v <= oldest]:
+            del self.log[v]
+        for v in [v for v in self.frames if v <= oldest]:
+            del self.frames[v]
+
+    def carried(self, version: int) -> int:
+        """The elements the layer of ``version`` would carry now."""
+        return sum(e.idx.size - e.dead for e in self.log.get(version, {}).values())
+
+    def layer(self, version: int, encode: Any) -> Any:
+        """The encoded layer of ``version`` (``encode`` of ``layer_parts``): the cached one, unless more than a quarter
+        of the elements it carries changed again since."""
+        cached = self.frames.get(version)
+        now = self.carried(version)
+        if cached is None or now < self.REENCODE * cached[1]:
+            cached = self.frames[version] = (encode(self.layer_parts(version)), now)
+        return cached[0]
+
+    def layer_parts(self, version: int) -> list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]:
+        """The parts of the delta layer of ``version`` (luopan.sync.delta.encode_body): the elements that changed in
+        ``version`` and not since, with their values — by element for element dtypes (whole, with the current
+        values, when that is not larger), whole for other dtypes that last changed then. Only the change lists are
+        read, never a whole tensor's stamps."""
+        log = self.log.get(version, {})
+        out: list[Any] = []
+        for path, r in sorted(self.records.items()):
+            if r.changed < version:
+                continue
+            if r.stamp is None:
+                if r.changed == version:
+                    out.append((path, r.dtype, r.shape, None, r.last.view(np.uint8)))
+                continue
+            e = log.get(path)
+            if e is None:
+                continue
+            idx, vals = e.idx, e.vals
+            if e.dead:  # the elements of its change list whose last change is still this version
+                alive = r.stamp[idx] == version
+                idx, vals = idx[alive], vals[alive]
             if not idx.size:
                 continue
-            if r.stamp is not None:
-                r.last[idx] = cur[idx]
-                r.stamp[idx] = version
+            if idx.size * (ELEMENT_DTYPES[r.dtype] + 1) >= r.last.size * ELEMENT_DTYPES[r.dtype]:
+                out.append((path, r.dtype, r.shape, None, r.last.view(np.uint8)))
             else:
-                r.last[:] = cur
-            r.changed = version
-            self.stale.append(r)
-            changed += int(idx.size)
-        return changed
-
-    def rehash(self) -> str:
-        """Digest the tensors ``update`` changed; the fingerprint of the published state."""
-        for r in getattr(self, "stale", []):
-            r.digest = digest(r.last)
-        self.stale = []
-        return self.fingerprint()
-
-    def delta_parts(self, bases: list[int]) -> dict[int, list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]]:
-        """For each base version: the parts of the delta from it (luopan.sync.delta.encode_delta), the elements
-        that changed after it — by element for element dtypes (whole when that is smaller), whole otherwise."""
-        out: dict[int, list[Any]] = {b: [] for b in bases}
-        oldest = min(bases)
-        for path, r in sorted(self.records.items()):
-            if r.changed <= oldest:
-                continue
-            whole = (path, r.dtype, r.shape, None, r.last.view(np.uint8))
-            if r.stamp is None:
-                for b in bases:
-                    if r.changed > b:
-                        out[b].append(whole)
-                continue
-            union = np.flatnonzero(r.stamp > oldest)
-            when = r.stamp[union]
-            size = ELEMENT_DTYPES[r.dtype]
-            for b in bases:
-                idx = union[when > b] if b != oldest else union
-                if not idx.size:
-                    continue
-                if idx.size * (size + 1) >= r.last.size * size:
-                    out[b].append(whole)
-                else:
-                    out[b].append((path, r.dtype, r.shape, idx, r.last[idx].view(np.uint8)))
+                out.append((path, r.dtype, r.shape, idx, vals.view(np.uint8)))
         return out
 
     def full_parts(self) -> list[tuple[str, str, tuple[int, ...], Any, np.ndarray]]:
@@ -170,7 +217,7 @@ class Stage:
     def __init__(self, leaves: list[Leaf]) -> None:
         self.leaves = {lf.path: lf for lf in leaves}
         self.whole: dict[str, torch.Tensor] = {}
-        self.elements: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.elements: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def check_layout(self, tensors: Any, full: bool, where: str) -> None:
         names = {t.name for t in tensors}
@@ -190,7 +237,8 @@ class Stage:
                                  "place into contiguous tensors only")
 
     def add(self, t: Any, idx: np.ndarray | None, values: memoryview) -> None:
-        """Stage one tensor's section (already checked by the parser)."""
+        """Stage one tensor's section (already checked by the parser); sections are staged oldest first, a later one
+        written over an earlier one."""
         vals = np.frombuffer(values, BITS_NP[DTYPE_SIZES[t.dtype]]).copy()
         if idx is None:
             self.whole[t.name] = vals
@@ -200,44 +248,46 @@ class Stage:
         if base is not None:  # a delta over a staged full version: change the private copy
             base[idx] = vals
         else:
-            self.elements[t.name] = (idx, vals)
+            self.elements.setdefault(t.name, []).append((idx, vals))
 
-    def fingerprint(self) -> tuple[str, dict[str, str]]:
+    def fingerprint(self, pool: Any = None) -> tuple[str, dict[str, str]]:
         """The fingerprint the live tensors will have after ``write``, and the new digests of the changed ones. A
-        changed tensor is hashed from a private copy with its changes applied (one tensor at a time); tied tensors
-        appear under each of their paths, in the delta as in the model."""
-        digests: dict[str, str] = {}
-        rows = []
-        for path, lf in self.leaves.items():
+        changed tensor is hashed from a private copy with its changes applied; tied tensors appear under each of
+        their paths, in the delta as in the model. ``pool``: an executor to hash the changed tensors on several
+        threads (BLAKE3 and NumPy release the GIL)."""
+        def changed(path: str) -> str:
             if path in self.whole:
-                h = digests[path] = digest(self.whole[path])
-            elif path in self.elements:
-                idx, vals = self.elements[path]
-                scratch = bits_of(lf.obj).copy()
+                return digest(self.whole[path])
+            scratch = bits_of(self.leaves[path].obj).copy()
+            for idx, vals in self.elements[path]:
                 scratch[idx] = vals
-                h = digests[path] = digest(scratch)
-                del scratch
-            else:
-                h = cached_digest(lf)
-            rows.append((path, lf.dtype, tuple(lf.shape), h))
+            return digest(scratch)
+
+        paths = [p for p in self.leaves if p in self.whole or p in self.elements]
+        digests = dict(zip(paths, (pool.map if pool is not None and len(paths) > 1 else map)(changed, paths)))
+        rows = [(path, lf.dtype, tuple(lf.shape), digests[path] if path in digests else cached_digest(lf))
+                for path, lf in self.leaves.items()]
         return fingerprint_of(rows), digests
 
     def write(self, digests: dict[str, str]) -> None:
         """Write the staged values into the live tensors, in place (CPU: through a NumPy view of their memory, then
-        their version counters are moved as a torch op would; CUDA: index_put_ / copy_), and hand the new digests
-        to the fingerprint cache."""
+        their version counters are moved as a torch op would; CUDA: index_put_ / copy_), in the order staged, and
+        hand the new digests to the fingerprint cache."""
         with torch.no_grad():
             for path, vals in self.whole.items():
                 live = self.leaves[path].obj
                 live.view(-1).view(BITS[live.element_size()]).copy_(torch.from_numpy(vals).to(live.device))
-            for path, (idx, vals) in self.elements.items():
+            for path, chunks in self.elements.items():
                 live = self.leaves[path].obj
+                for idx, vals in chunks:  # each chunk's indices are distinct (strictly ascending)
+                    if live.device.type == "cpu":
+                        bits_of(live)[idx] = vals
+                    else:
+                        flat = live.view(-1).view(BITS[live.element_size()])
+                        flat.index_put_((torch.from_numpy(idx).to(live.device),),
+                                        torch.from_numpy(vals).to(live.device))
                 if live.device.type == "cpu":
-                    bits_of(live)[idx] = vals
                     torch.autograd.graph.increment_version(live)
-                else:
-                    flat = live.view(-1).view(BITS[live.element_size()])
-                    flat.index_put_((torch.from_numpy(idx).to(live.device),), torch.from_numpy(vals).to(live.device))
         for path in (*self.whole, *self.elements):
             remember(self.leaves[path].obj, digests[path])
 
