@@ -16,7 +16,7 @@ import time
 import blake3
 
 import luopan.sync
-import luopan.sync.publisher as publisher_mod
+import luopan.sync.targets as targets_mod
 from tests.test_sync import make_model, train_step
 
 
@@ -41,7 +41,7 @@ def trainer(root: str, key: str) -> None:
             def stall(*_a, **_k):
                 print("stalled", flush=True)
                 time.sleep(600)
-            publisher_mod._place_index = stall  # the files are written and synced; the index is not placed
+            targets_mod._place_index = stall  # the files are written and synced; the index is not placed
         v = pub.publish(int(n), model)
         print("published", v, digest(model), flush=True)
 

@@ -268,7 +268,7 @@ def test_a_failed_publish_starts_over_from_a_full_version(tmp_path, monkeypatch)
     def fail(tmp, path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(luopan.sync.publisher, "_place_index", fail)
+    monkeypatch.setattr(luopan.sync.targets, "_place_index", fail)
     with pytest.raises(StorageError):
         pub.publish(3, trainer)
     monkeypatch.undo()

@@ -1,7 +1,8 @@
 """``luopan.sync.Publisher``: publish a training process's weights after each step to a sync target (docs/format.md
 §19), for subscribers to apply in place.
 
-A target is a directory (a shared filesystem, or the root of any static web server):
+A target is a directory (a shared filesystem, or the root of any static web server) or an object store
+(``s3://bucket/prefix``: luopan.sync.targets):
 
     index.json                                  signed index, written last (luopan.sync.index)
     full/00000001-1a2b3c4d5e6f7a8b.lpsync       a full version: every tensor whole (at the start, then every
@@ -23,31 +24,29 @@ of the last ``keep`` versions.
 from __future__ import annotations
 
 import os
-import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 import time
 from typing import Any
 
 import blake3
 
-from .._files import fsync_dir, make_dirs, write_error
-from ..channel.files import publish_lock
 from ..channel.index import FileRef, format_time
 from ..errors import UsageError
 from ..format.names import is_run_name
 from ..signing import SigningKey, load_signing_key
+from ..store import is_object_url
 from ..units import parse_duration
 from .delta import assemble, encode_body
 from .index import INDEX_NAME, SyncDelta, SyncIndex, SyncVersion, encode_index, parse_index
+from .targets import DELTA_DIR, FULL_DIR, SUFFIX, open_target
 from .tensors import Published, leaves_of
 
-FULL_DIR, DELTA_DIR, SUFFIX = "full", "deltas", ".lpsync"
 _POOL = ThreadPoolExecutor(3, thread_name_prefix="luopan-sync")  # BLAKE3, NumPy and zstd release the GIL
-TMP_MARK = ".tmp-"
 
 
 class Publisher:
-    """Publish weights to ``target`` (a directory) as a signed, versioned live-sync channel.
+    """Publish weights to ``target`` (a directory, or an object-store URL such as ``s3://bucket/prefix`` with
+    ``storage_options`` for its fsspec filesystem) as a signed, versioned live-sync channel.
 
     ``key``: an Ed25519 SigningKey (or the path of a ``.key`` file, luopan key gen) that signs every index; None
     publishes unsigned indexes (only subscribers without trusted keys accept them). ``keep``: the index lists a
@@ -62,12 +61,12 @@ class Publisher:
 
     def __init__(self, target: str | os.PathLike[str], key: SigningKey | str | os.PathLike[str] | None = None,
                  keep: int = 8, full_every: int | None = None, channel: str = "sync",
-                 expires: str | float = "7d", spacing: str = "each") -> None:
-        if isinstance(target, str) and "://" in target and not target.startswith("file://"):
-            raise UsageError(f"sync target {target!r}: a Publisher writes to a directory (serve that directory over "
-                             "HTTP for subscribers elsewhere); object-store targets are not supported yet")
-        self.root = os.path.abspath(os.fspath(target)[7:] if os.fspath(target).startswith("file://")
-                                    else os.fspath(target))
+                 expires: str | float = "7d", spacing: str = "each",
+                 storage_options: dict[str, Any] | None = None) -> None:
+        loc = os.fspath(target)
+        if "://" in loc and not loc.startswith("file://") and not is_object_url(loc):
+            raise UsageError(f"sync target {loc!r}: a Publisher writes to a directory (serve it over HTTP for "
+                             "subscribers elsewhere) or to an object store (s3://bucket/prefix)")
         self.key = key if key is None or isinstance(key, SigningKey) else load_signing_key(key)
         if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 1000:
             raise UsageError(f"keep={keep!r}: keep is the number of versions to write deltas from, 1 to 1000")
@@ -88,11 +87,10 @@ class Publisher:
         self._versions: list[SyncVersion] = []  # published by this Publisher, oldest first
         self._index: SyncIndex | None = None
         self._index_bytes = b""
-        make_dirs(self.root)
-        for sub in (FULL_DIR, DELTA_DIR):
-            make_dirs(os.path.join(self.root, sub))
-        with publish_lock(self.root):
-            self._clear_temporaries()
+        self.target = open_target(loc, storage_options)
+        self.root = self.target.where  # the directory, or the object-store URL
+        with self.target.lock():
+            self.target.clear_temporaries()
             self._index = self._read_index()
         self.version = self._index.version if self._index is not None else 0
         self.last_bytes: dict[str, int] = {}  # what the last publish wrote: {"full": n, "deltas": n}
@@ -100,31 +98,16 @@ class Publisher:
         self.changed = 0  # elements changed by the last publish
 
     def _read_index(self) -> SyncIndex | None:
-        path = os.path.join(self.root, INDEX_NAME)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
+        data = self.target.read_index()
+        if data is None:
             return None
-        except OSError as exc:
-            raise write_error(exc, path) from None
         if self._index is not None and data == self._index_bytes:  # as this Publisher left it: parsed already
             return self._index
-        index = parse_index(data, path)
+        index = parse_index(data, f"{self.root}/{INDEX_NAME}")
         if index.channel != self.channel:
             raise UsageError(f"{self.root} holds live-sync channel {index.channel!r}, not {self.channel!r}: pass "
-                             f"channel={index.channel!r} or publish to another directory")
+                             f"channel={index.channel!r} or publish to another target")
         return index
-
-    def _clear_temporaries(self) -> None:
-        for sub in ("", FULL_DIR, DELTA_DIR):
-            d = os.path.join(self.root, sub)
-            for name in os.listdir(d):
-                if TMP_MARK in name:
-                    try:
-                        os.unlink(os.path.join(d, name))
-                    except (FileNotFoundError, IsADirectoryError):
-                        pass
 
     def publish(self, step: int, model_or_state: Any) -> int:
         """Publish the weights of ``model_or_state`` (a module or a state dict of tensors) as the next version,
@@ -133,7 +116,7 @@ class Publisher:
             raise UsageError(f"step={step!r} is not a non-negative integer")
         leaves = leaves_of(model_or_state)
         layout = [(lf.path, lf.dtype, tuple(lf.shape)) for lf in leaves]
-        with publish_lock(self.root):
+        with self.target.lock():
             self.wait()
             on_disk = self._read_index()
             if (on_disk.version if on_disk is not None else 0) != self.version:
@@ -182,7 +165,7 @@ class Publisher:
                 index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
                                   (*kept, new), tuple(deltas), None)
                 data = encode_index(index, self.key)
-                self._write_files(files, data)
+                self.target.write(files, data, _POOL)
                 prev, self._index, self._index_bytes = self._index, index, data
                 self._versions = [*kept, new]
                 self._pub.forget(self._versions[-self.keep:][0].version)
@@ -202,74 +185,12 @@ class Publisher:
             self._cleanup.result()
             self._cleanup = None
 
-    def _write_files(self, files: list[tuple[str, bytes]], index: bytes) -> None:
-        """Write each file and the index to temporary names and fsync them (on the pool's threads: the syncs
-        overlap); rename the files into place and fsync their directories; only then rename the index into place
-        and fsync the target directory. Any failure removes the temporary files: the previous index is in place."""
-        def write(item: tuple[str, bytes]) -> str:
-            name, data = item
-            tmp = f"{os.path.join(self.root, name)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _unlink(tmp)
-                raise
-            os.close(fd)
-            return tmp
-
-        items = [*files, (INDEX_NAME, index)]
-        futures = [_POOL.submit(write, item) for item in items]
-        try:
-            temps = [f.result() for f in futures]
-            for (name, _data), tmp in zip(files, temps):
-                os.replace(tmp, os.path.join(self.root, name))
-            for sub in {n.split("/")[0] for n, _d in files}:
-                fsync_dir(os.path.join(self.root, sub))
-            _place_index(temps[-1], os.path.join(self.root, INDEX_NAME))
-        except OSError as exc:
-            for f in futures:
-                if f.exception() is None and os.path.exists(f.result()):
-                    _unlink(f.result())
-            raise write_error(exc, self.root, "the previous index and its files are unchanged") from None
-        try:
-            fsync_dir(self.root)
-        except OSError as exc:
-            raise write_error(exc, os.path.join(self.root, INDEX_NAME), placed=True) from None
-
     def _remove_unlisted(self, index: SyncIndex, prev: SyncIndex | None) -> None:
         """Delete the ``.lpsync`` files neither ``index`` nor ``prev`` names (a subscriber that read ``prev`` still
         finds its file). Best effort: what a failure leaves is deleted by a later publish."""
-        keep = {f.name for f in index.files()} | ({f.name for f in prev.files()} if prev is not None else set())
-        for sub in (FULL_DIR, DELTA_DIR):
-            d = os.path.join(self.root, sub)
-            try:
-                names = os.listdir(d)
-            except OSError:
-                continue
-            for name in names:
-                if f"{sub}/{name}" not in keep and name.endswith(SUFFIX) and TMP_MARK not in name:
-                    try:
-                        _unlink(os.path.join(d, name))
-                    except OSError:
-                        pass
-
-
-def _place_index(tmp: str, path: str) -> None:
-    """Rename the new index into place: the step that publishes (a seam the kill tests stop at)."""
-    os.replace(tmp, path)
+        self.target.remove_unlisted({f.name for f in index.files()} |
+                                    ({f.name for f in prev.files()} if prev is not None else set()))
 
 
 def _ref(name: str, data: bytes) -> FileRef:
     return FileRef(name, len(data), blake3.blake3(data).hexdigest())
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -30,9 +30,11 @@ from ..errors import (
     ChannelStateError,
     CorruptDownloadError,
     StorageError,
+    UsageError,
 )
 from ..format.canonical import SealError, seal, unseal
 from ..signing import TrustedKeys
+from ..store import KeyNotFound, is_object_url, open_store
 from .delta import held_layers, parse_header, read_body, sections
 from .index import INDEX_NAME, MAX_INDEX_BYTES, Seen, SyncIndex, SyncVersion, accept_index
 from .tensors import Stage, leaves_of
@@ -47,17 +49,25 @@ class _Missing(Exception):
 
 
 class Subscriber:
-    """Apply what a Publisher publishes at ``source`` (a directory, or the ``http(s)://`` URL of that directory
-    served by a web server) to live tensors.
+    """Apply what a Publisher publishes at ``source`` (a directory, the ``http(s)://`` URL of that directory served
+    by a web server, or the object store it publishes to: ``s3://bucket/prefix``, options in ``storage_options``)
+    to live tensors.
 
     ``trusted_keys``: a luopan.signing.TrustedKeys, or a directory of ``*.pub`` files; when given, only indexes
     signed by one of them are accepted. ``state_file``: where to remember the newest index seen, so a restarted
     subscriber still refuses an older (replayed) one. ``channel``: the channel name to accept."""
 
     def __init__(self, source: str | os.PathLike[str], trusted_keys: TrustedKeys | str | os.PathLike[str] | None
-                 = None, state_file: str | os.PathLike[str] | None = None, channel: str | None = None) -> None:
+                 = None, state_file: str | os.PathLike[str] | None = None, channel: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         self.source = os.fspath(source)
         self.http = self.source.startswith(("http://", "https://"))
+        self.store = open_store(self.source, **(storage_options or {})) if is_object_url(self.source) else None
+        if storage_options and self.store is None:
+            raise UsageError(f"storage_options apply to object-store sources (s3://…), not to {self.source!r}")
+        if self.store is None and not self.http and "://" in self.source and not self.source.startswith("file://"):
+            raise UsageError(f"sync source {self.source!r}: a directory, an http(s):// URL of one, or an object "
+                             "store (s3://bucket/prefix)")
         if not self.http and self.source.startswith("file://"):
             self.source = self.source[7:]
         self.trusted = trusted_keys if trusted_keys is None or isinstance(trusted_keys, TrustedKeys) \
@@ -189,6 +199,8 @@ class Subscriber:
         where = self._where(name)
         if self.http:
             data = self._get_http(where, limit, ref is not None)
+        elif self.store is not None:
+            data = self._get_object(name, where, limit, ref is not None)
         else:
             try:
                 with open(os.path.join(self.source, name), "rb") as f:
@@ -206,6 +218,20 @@ class Subscriber:
         if len(data) > limit:
             raise CorruptDownloadError(f"{where} is over {limit} bytes: refused, nothing was applied")
         return data
+
+    def _get_object(self, name: str, where: str, limit: int, listed: bool) -> bytes:
+        """The index (at most ``limit`` + 1 bytes) or the first ``limit`` bytes of a listed object: one ranged GET."""
+        assert self.store is not None
+        try:
+            return self.store.get_range(name, 0, limit if listed else limit + 1)
+        except KeyNotFound:
+            if listed:
+                raise _Missing() from None
+            raise ChannelDownloadError(f"no live-sync index at {where}: nothing was published there yet (or the "
+                                       "source is wrong)") from None
+        except OSError as exc:
+            raise ChannelDownloadError(f"cannot fetch {where}: {exc}; check the URL, credentials and the network, "
+                                       "then call update() again") from None
 
     def _get_http(self, url: str, limit: int, listed: bool) -> bytes:
         """The index (at most ``limit`` + 1 bytes, to see it is too long), or the first ``limit`` bytes of a listed
