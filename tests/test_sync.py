@@ -466,8 +466,14 @@ def test_subscriber_over_http(tmp_path, keys, monkeypatch):
             train_step(trainer, step)
             v = pub.publish(step, trainer)
             assert sub.update(worker) == v and bits(worker) == bits(trainer)
-        paths = [r[0] for r in web.requests()]
+        log = web.requests(at_least=9)
+        paths = [r[0] for r in log]
         assert paths.count("/ch/index.json") == 5 and sum(p.startswith("/ch/deltas/") for p in paths) == 4
+        # each delta is a range of its file (its newest layers): 206 Partial Content, and once the file holds
+        # older layers than the worker needs, fewer bytes than the file
+        deltas = [r for r in log if r[0].startswith("/ch/deltas/")]
+        assert all(status == 206 and rng.startswith("bytes=0-") for _p, status, _n, rng in deltas), deltas
+        assert deltas[-1][2] < os.path.getsize(site / deltas[-1][0].lstrip("/"))
         train_step(trainer, 5)  # a damaged file on the server: refused, the model untouched
         pub.publish(5, trainer)
         path = _newest_delta(site / "ch")
