@@ -12,6 +12,7 @@ import tracemalloc
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,22 @@ from luopan.signing import TrustedKeys, generate_key, load_signing_key
 from luopan.sync.delta import MAGIC, parse_delta
 from luopan.sync.index import encode_index, parse_index
 from tests.test_fuzz_parsers import SUPPRESS, VALUES, byte_mutations
-from tests.test_sync import bits, make_model, train_step
+from tests.test_sync import bits, train_step
+from tests.test_sync import make_model as small_model
+
+BIG = 4096  # a buffer whose sparse changes are coded gaps16 (64 elements and more, smaller than a bitmap)
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    m = small_model(seed)
+    m.register_buffer("big", torch.zeros(BIG, dtype=torch.bfloat16))
+    return m
+
+
+def big_step(m: torch.nn.Module, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        m.big[torch.randperm(BIG, generator=g)[:100]] += 1
 
 FUZZ_EXAMPLES = int(os.environ.get("LUOPAN_FUZZ_EXAMPLES", "200"))
 
@@ -45,6 +61,7 @@ class Channel:
         self.v1 = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
         for step in (1, 2):
             train_step(trainer, step)
+            big_step(trainer, step)
             self.pub.publish(step, trainer)
         self.v2 = bits(trainer)
         self.index = parse_index(open(os.path.join(self.dir, "index.json"), "rb").read())
@@ -52,6 +69,8 @@ class Channel:
         assert self.delta.source == 1 and self.delta.file.size == os.path.getsize(
             os.path.join(self.dir, self.delta.file.name))  # the whole file: both layers
         self.delta_bytes = open(os.path.join(self.dir, self.delta.file.name), "rb").read()
+        modes = {t.mode for layer in parse_delta(self.delta_bytes)[0].layers for t in layer.tensors}
+        assert {"gaps", "gaps16", "whole"} <= modes, modes  # the fuzz reaches every coding of the index
         self.full = self.index.versions[0].full
         self.full_bytes = open(os.path.join(self.dir, self.full.name), "rb").read()
 
@@ -117,7 +136,7 @@ def header_mutations(draw: Any, sample: bytes) -> bytes:
         if draw(st.booleans()) and k in tdoc:
             del tdoc[k]
         else:
-            tdoc[k] = draw(st.one_of(VALUES, st.integers(-1, 1 << 20), st.sampled_from(["gaps", "bitmap", "whole"])))
+            tdoc[k] = draw(st.one_of(VALUES, st.integers(-1, 1 << 20), st.sampled_from(["gaps", "gaps16", "bitmap", "whole"])))
     try:
         header = canonical(doc)
     except (ValueError, TypeError):

@@ -11,7 +11,7 @@ A target is a directory (a shared filesystem, or the root of any static web serv
                                                 prefix through layer b + 1 is the delta from version b
 
 One file a publish serves every lag: layer ``u`` carries the elements that changed in version ``u`` (encoded once,
-when ``u`` is published, and again only when a quarter of it changed since), so the publish encodes one new layer
+when ``u`` is published, and again only when half of it changed since), so the publish encodes one new layer
 and writes one file. Write order: the new files and the index are written to temporary names and fsynced, the files
 renamed into place and their directories fsynced, then the index renamed into place and the target fsynced; the
 files that neither the new index nor the one it replaced names are removed afterwards, in the background, so a
@@ -133,7 +133,7 @@ class Publisher:
                     self._layout, self._versions = layout, []
                     self.changed = sum(int(lf.obj.numel()) for lf in leaves)
                 else:
-                    self.changed = self._pub.update(leaves, v, _POOL)
+                    self.changed = self._pub.update(leaves, v)
                 kept = self._versions[-self.keep:]
                 bases = kept if self.spacing == "each" else \
                     [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0]]
@@ -142,17 +142,16 @@ class Publisher:
                 layers = list(range(v, kept[0].version, -1)) if kept else []  # newest first, to the oldest base + 1
                 bodies = [self._pub.layer(u, encode_body) for u in layers]
                 full_body = encode_body(self._pub.full_parts()) if want_full else None
-                fp = self._pub.fingerprint()
                 files: list[tuple[str, bytes]] = []
                 full_ref = None
                 if full_body is not None:
-                    data, _ends = assemble(v, fp, [(v, None, full_body)], full=True)
-                    full_ref = _ref(f"{FULL_DIR}/{v:08d}-{fp[7:23]}{SUFFIX}", data)
+                    data, _ends = assemble(v, [(v, None, full_body)], full=True)
+                    full_ref = _ref(FULL_DIR, f"{v:08d}", data)
                     files.append((full_ref.name, data))
                 deltas = []
                 if layers:
                     prints = {x.version: x.fingerprint for x in kept}
-                    data, ends = assemble(v, fp, [(u, prints[u - 1], body) for u, body in zip(layers, bodies)])
+                    data, ends = assemble(v, [(u, prints[u - 1], body) for u, body in zip(layers, bodies)])
                     hasher, upto, prefix = blake3.blake3(), 0, {}  # the BLAKE3 of each prefix, in one pass
                     for u, end in zip(layers, ends):
                         hasher.update(memoryview(data)[upto:end])
@@ -160,12 +159,18 @@ class Publisher:
                     name = f"{DELTA_DIR}/{kept[0].version:08d}-{v:08d}-{prefix[kept[0].version][1][:16]}{SUFFIX}"
                     files.append((name, data))
                     deltas = [SyncDelta(b.version, v, FileRef(name, *prefix[b.version])) for b in bases]
-                new = SyncVersion(v, step, fp, full_ref)
-                now = time.time()
-                index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
-                                  (*kept, new), tuple(deltas), None)
-                data = encode_index(index, self.key)
-                self.target.write(files, data, _POOL)
+                staged = self.target.stage(files, _POOL)  # written and synced while the tensors are hashed
+                try:
+                    fp = self._pub.rehash()
+                    new = SyncVersion(v, step, fp, full_ref)
+                    now = time.time()
+                    index = SyncIndex(self.channel, v, format_time(now), format_time(now + max(self.expires, 1)),
+                                      (*kept, new), tuple(deltas), None)
+                    data = encode_index(index, self.key)
+                except BaseException:
+                    self.target.abandon(staged)
+                    raise
+                self.target.commit(files, staged, data)
                 prev, self._index, self._index_bytes = self._index, index, data
                 self._versions = [*kept, new]
                 self._pub.forget(self._versions[-self.keep:][0].version)
@@ -192,5 +197,7 @@ class Publisher:
                                     ({f.name for f in prev.files()} if prev is not None else set()))
 
 
-def _ref(name: str, data: bytes) -> FileRef:
-    return FileRef(name, len(data), blake3.blake3(data).hexdigest())
+def _ref(folder: str, stem: str, data: bytes) -> FileRef:
+    """The entry of a file named ``<folder>/<stem>-<first 16 hex digits of its BLAKE3>.lpsync``."""
+    h = blake3.blake3(data, max_threads=blake3.blake3.AUTO if len(data) >= 1 << 22 else 1).hexdigest()
+    return FileRef(f"{folder}/{stem}-{h[:16]}{SUFFIX}", len(data), h)

@@ -5,7 +5,7 @@ Publisher published, in place (docs/format.md §19.3).
 newest one this subscriber has seen (in memory and, with ``state_file``, across restarts). It finds the version the
 tensors hold by their fingerprint and fetches one file: the delta from that version, or — a new or far-behind
 worker — the newest full version (and the one delta from it). Every byte is checked (size and BLAKE3 named by the
-signed index, a strict parse, the delta's base and result fingerprints), the update is staged and the result's
+signed index, a strict parse, the versions and base fingerprint of the delta), the update is staged and the result's
 fingerprint computed on the staged values before one element of a live tensor is written; any failure leaves the
 tensors exactly as they were.
 """
@@ -165,12 +165,11 @@ class Subscriber:
             n = header.span(source)
         except ValueError as exc:
             raise CorruptDownloadError(f"live-sync delta {where} is refused: {exc}. Nothing was applied") from None
-        if (header.full, header.target, header.result) != (base is None, target.version, target.fingerprint):
+        if (header.full, header.target) != (base is None, target.version):
             raise CorruptDownloadError(
-                f"live-sync delta {where} goes to version {header.target} ({header.result[:23]}…"
-                f"{', a full version' if header.full else ''}), not to {target.version} ({target.fingerprint[:23]}…"
-                f"{', a full version' if base is None else f' from {source}'}) as the index says: refused, nothing "
-                "was applied")
+                f"live-sync delta {where} goes to version {header.target}{' (a full version)' if header.full else ''}, "
+                f"not to {target.version}{' (a full version)' if base is None else f' from {source}'} as the index "
+                "says: refused, nothing was applied")
         if held_layers(data, header, where) != n:
             raise CorruptDownloadError(f"live-sync delta {where}: the {len(data)} bytes the index lists for the "
                                        f"delta from {source} are not its {n} layer(s): refused, nothing was applied")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, ContextManager
 
 from .._files import fsync_dir, make_dirs, write_error
@@ -70,43 +70,58 @@ class DirTarget:
         except OSError as exc:
             raise write_error(exc, path) from None
 
-    def write(self, files: list[tuple[str, bytes]], index: bytes, pool: Executor) -> None:
-        """Write each file and the index to temporary names and fsync them (on the pool's threads: the syncs
-        overlap); rename the files into place and fsync their directories; only then rename the index into place
-        and fsync the directory. Any failure removes the temporary files: the previous index is in place."""
-        def write(item: tuple[str, bytes]) -> str:
-            name, data = item
-            tmp = f"{os.path.join(self.root, name)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _unlink(tmp)
-                raise
-            os.close(fd)
-            return tmp
+    def stage(self, files: list[tuple[str, bytes]], pool: Executor) -> list[Future[str]]:
+        """Start writing each file to a temporary name and fsyncing it, on the pool's threads (the caller hashes the
+        tensors meanwhile; the syncs overlap)."""
+        return [pool.submit(self._write_temporary, name, data) for name, data in files]
 
-        futures = [pool.submit(write, item) for item in [*files, (INDEX_NAME, index)]]
+    def commit(self, files: list[tuple[str, bytes]], staged: list[Future[str]], index: bytes) -> None:
+        """Write the index to a temporary name and fsync it; when the staged files are synced, rename them into
+        place and fsync their directories; only then rename the index into place and fsync the directory. Any
+        failure removes the temporary files: the previous index is in place."""
+        temps: list[str] = []
         try:
-            temps = [f.result() for f in futures]
-            for (name, _data), tmp in zip(files, temps):
+            index_tmp = self._write_temporary(INDEX_NAME, index)
+            temps.append(index_tmp)
+            for f in staged:
+                temps.append(f.result())
+            for (name, _data), tmp in zip(files, temps[1:]):
                 os.replace(tmp, os.path.join(self.root, name))
             for sub in {n.split("/")[0] for n, _d in files}:
                 fsync_dir(os.path.join(self.root, sub))
-            _place_index(temps[-1], os.path.join(self.root, INDEX_NAME))
+            _place_index(index_tmp, os.path.join(self.root, INDEX_NAME))
         except OSError as exc:
-            for f in futures:
-                if f.exception() is None and os.path.exists(f.result()):
-                    _unlink(f.result())
+            self.abandon(staged)
+            for tmp in temps:
+                _unlink(tmp)
             raise write_error(exc, self.root, "the previous index and its files are unchanged") from None
         try:
             fsync_dir(self.root)
         except OSError as exc:
             raise write_error(exc, os.path.join(self.root, INDEX_NAME), placed=True) from None
+
+    def abandon(self, staged: list[Future[str]]) -> None:
+        """Remove the temporary files of a publish that does not commit (waiting for their writes to end)."""
+        for f in staged:
+            try:
+                _unlink(f.result())
+            except OSError:
+                pass
+
+    def _write_temporary(self, name: str, data: bytes) -> str:
+        tmp = f"{os.path.join(self.root, name)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
 
     def remove_unlisted(self, keep: set[str]) -> None:
         """Delete the ``.lpsync`` files not in ``keep``. Best effort: what a failure leaves, a later publish
@@ -144,16 +159,28 @@ class ObjectTarget:
         except OSError as exc:
             raise write_error(exc, f"{self.where}/{INDEX_NAME}") from None
 
-    def write(self, files: list[tuple[str, bytes]], index: bytes, pool: Executor) -> None:
-        """PUT each file (on the pool's threads), then the index: a reader never finds an index naming a file that
-        is not whole."""
+    def stage(self, files: list[tuple[str, bytes]], pool: Executor) -> list[Future[None]]:
+        """Start the PUT of each file on the pool's threads."""
+        return [pool.submit(self.store.put, name, data) for name, data in files]
+
+    def commit(self, files: list[tuple[str, bytes]], staged: list[Future[None]], index: bytes) -> None:
+        """When every file's PUT has succeeded, PUT the index: a reader never finds an index naming a file that is
+        not whole."""
         try:
-            for f in [pool.submit(self.store.put, name, data) for name, data in files]:
+            for f in staged:
                 f.result()
             self.store.put(INDEX_NAME, index)
         except OSError as exc:
+            self.abandon(staged)
             raise write_error(exc, self.where, "the previous index is unchanged (files it does not name may have "
                                                "been written; the next publish deletes them)") from None
+
+    def abandon(self, staged: list[Future[None]]) -> None:
+        for f in staged:
+            try:
+                f.result()
+            except OSError:
+                pass
 
     def remove_unlisted(self, keep: set[str]) -> None:
         for sub in (FULL_DIR, DELTA_DIR):

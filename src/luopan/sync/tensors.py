@@ -102,33 +102,42 @@ class Changes:
 class Published:
     """The publisher's view: a record per tensor; per version still in the delta window, the elements that changed
     in it (``log``) and its delta layer as last encoded (``frames``, with the elements it then carried). A layer is
-    encoded once, when its version is published, and again only when more than a quarter of what it carries has
-    changed since (so a catch-up reads at most 4/3 of the union of the changes)."""
+    encoded once, when its version is published, and again only when more than half of what it carries has changed
+    since (so a catch-up reads at most twice the union of the changes it missed; re-encoding at every publish would
+    cost as much as encoding the new layer again)."""
 
     records: dict[str, Record] = field(default_factory=dict)
     log: dict[int, dict[str, Changes]] = field(default_factory=dict)
     frames: dict[int, tuple[Any, int]] = field(default_factory=dict)
-    REENCODE = 0.75
+    stale: list[Record] = field(default_factory=list)  # changed by ``update``, not yet digested
+    REENCODE = 0.5  # re-encode a layer once half of what it carries changed again
 
     def fingerprint(self) -> str:
         return fingerprint_of([(p, r.dtype, r.shape, r.digest) for p, r in self.records.items()])
 
     def reset(self, leaves: list[Leaf], version: int) -> None:
-        self.records, self.log, self.frames = {}, {}, {}
+        self.records, self.log, self.frames, self.stale = {}, {}, {}, []
         for lf in leaves:
             last = bits_of(lf.obj).copy()
             stamp = np.full(last.shape, version, np.int32) if lf.dtype in ELEMENT_DTYPES else None
             self.records[lf.path] = Record(lf.dtype, lf.shape, last, stamp, version, digest(last))
 
-    def update(self, leaves: list[Leaf], version: int, pool: Any = None) -> int:
-        """Take the new values of ``leaves`` as ``version`` and digest the tensors that changed; the number of
-        elements whose bits changed. The elements that changed are struck from the change lists of the older
-        versions they were in. ``pool``: an executor to do the tensors on several threads (NumPy and BLAKE3 release
-        the GIL; each tensor's work touches only its own record and change lists)."""
+    def update(self, leaves: list[Leaf], version: int) -> int:
+        """Take the new values of ``leaves`` as ``version``; the number of elements whose bits changed. The elements
+        that changed are struck from the change lists of the older versions they were in; the changed tensors'
+        digests are left to ``rehash`` (run while the new files are written). One thread: the comparisons are many
+        short NumPy calls, which on several threads mostly wait for the GIL and share the memory bandwidth."""
         self.log[version] = {}
+        self.stale = []
         window = [u for u in self.log if u != version]
-        counts = list((pool.map if pool is not None else map)(lambda lf: self._take(lf, version, window), leaves))
-        return sum(counts)
+        return sum(self._take(lf, version, window) for lf in leaves)
+
+    def rehash(self) -> str:
+        """Digest the tensors ``update`` changed; the fingerprint of the published state."""
+        for r in self.stale:
+            r.digest = digest(r.last)
+        self.stale = []
+        return self.fingerprint()
 
     def _take(self, lf: Leaf, version: int, window: list[int]) -> int:
         r = self.records[lf.path]
@@ -152,7 +161,7 @@ class Published:
         else:
             r.last[:] = cur
         r.changed = version
-        r.digest = digest(r.last)
+        self.stale.append(r)
         return int(idx.size)
 
     def forget(self, oldest: int) -> None:
@@ -167,8 +176,8 @@ class Published:
         return sum(e.idx.size - e.dead for e in self.log.get(version, {}).values())
 
     def layer(self, version: int, encode: Any) -> Any:
-        """The encoded layer of ``version`` (``encode`` of ``layer_parts``): the cached one, unless more than a quarter
-        of the elements it carries changed again since."""
+        """The encoded layer of ``version`` (``encode`` of ``layer_parts``): the cached one, unless more than half of
+        the elements it carries changed again since."""
         cached = self.frames.get(version)
         now = self.carried(version)
         if cached is None or now < self.REENCODE * cached[1]:
