@@ -202,6 +202,19 @@ def test_doubling_spacing_serves_every_lag_with_one_delta(tmp_path):
         assert len(reads) == 2 and reads[1].startswith("deltas/"), (lag, reads)
 
 
+@pytest.mark.parametrize("keep,full_every", [(8, 8), (5, 4)])
+def test_doubling_spacing_serves_new_workers_at_every_version(tmp_path, keep, full_every):
+    """The newest full version is at any distance from the newest version: a new worker still finds the delta
+    from it (the publisher lists it; the subscriber applies a delta from at or before it)."""
+    trainer = make_model(0)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=keep, full_every=full_every, spacing="doubling")
+    for step in range(21):
+        train_step(trainer, step)
+        v = pub.publish(step, trainer)
+        worker = make_model(1)
+        assert luopan.sync.Subscriber(tmp_path / "ch").update(worker) == v and bits(worker) == bits(trainer), v
+
+
 def _changed_elements(a: dict[str, bytes], b: dict[str, bytes], model: torch.nn.Module) -> set[tuple[str, int]]:
     """(tensor, flat index) of the elements whose bits differ between two ``bits`` snapshots."""
     out = set()
@@ -345,6 +358,44 @@ def test_tied_weights_and_other_dtypes(tmp_path):
         sub.update(worker)
         assert bits(worker) == bits(trainer)
         assert worker[3].weight.data_ptr() == worker[0].weight.data_ptr()
+
+
+def test_a_worker_that_ties_what_the_publisher_does_not_is_refused(tmp_path):
+    trainer, worker = make_model(0), make_model(1)
+    worker[3].weight = worker[0].weight  # tied in the worker only
+    with torch.no_grad():
+        trainer[3].weight.copy_(trainer[0].weight)  # equal values, separate memory in the publisher
+    pub = luopan.sync.Publisher(tmp_path / "ch")
+    sub = luopan.sync.Subscriber(tmp_path / "ch")
+    pub.publish(0, trainer)
+    assert sub.update(worker) == 1 and bits(worker) == bits(trainer)
+    with torch.no_grad():
+        trainer[0].weight[0, 0] += 1  # only one of the two changes
+    pub.publish(1, trainer)
+    before = bits(worker)
+    with pytest.raises(LayoutMismatchError):
+        sub.update(worker)
+    assert bits(worker) == before
+
+
+def test_staging_more_elements_than_a_tensor_holds_folds_them_into_one_copy():
+    """Many layers of one tensor (a hostile file, or a long catch-up): staging keeps at most one copy of it."""
+    from luopan.sync.delta import TensorDelta
+    from luopan.sync.tensors import Stage
+    from luopan.tree import flatten
+
+    live = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    _s, leaves = flatten(live)
+    stage = Stage(leaves)
+    t = TensorDelta("w", "bfloat16", (1000,), "gaps16", 600, 1200, 1200)
+    for k in range(3):  # 1,800 staged elements for a tensor of 1,000
+        idx = np.arange(600) + 200 * k
+        stage.add(t, idx, memoryview(np.full(600, k + 1, np.int16).tobytes()))
+    assert "w" in stage.whole and "w" not in stage.elements
+    want = np.zeros(1000, np.int16)
+    for k in range(3):
+        want[200 * k:200 * k + 600] = k + 1
+    assert np.array_equal(stage.whole["w"], want)  # later layers over earlier ones, as when applied in order
 
 
 def test_a_state_dict_of_live_tensors(tmp_path):
@@ -517,3 +568,88 @@ def test_two_publishers_on_one_target_are_refused(tmp_path):
     with pytest.raises(UsageError, match="another Publisher"):
         a.publish(2, trainer)
     assert luopan.sync.Subscriber(tmp_path / "ch").update(make_model(1)) == 2
+
+
+def test_a_publish_whose_index_was_placed_before_it_failed_is_adopted(tmp_path, monkeypatch):
+    """The index was renamed into place, then the directory sync failed: subscribers see that version, and the
+    Publisher goes on from it (with a full version) instead of refusing as if another Publisher had written."""
+    from luopan.errors import StorageError
+
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=4)
+    sub = luopan.sync.Subscriber(tmp_path / "ch")
+    for step in range(2):
+        train_step(trainer, step)
+        pub.publish(step, trainer)
+    real = luopan.sync.targets.fsync_dir
+    calls = []
+
+    def fail_last(path):
+        calls.append(path)
+        if os.path.samefile(path, tmp_path / "ch"):
+            raise OSError(5, "Input/output error")
+        return real(path)
+
+    train_step(trainer, 2)
+    monkeypatch.setattr(luopan.sync.targets, "fsync_dir", fail_last)
+    with pytest.raises(StorageError):
+        pub.publish(2, trainer)
+    monkeypatch.undo()
+    assert sub.update(worker) == 3 and bits(worker) == bits(trainer)  # the placed index is what is served
+    train_step(trainer, 3)
+    assert pub.publish(3, trainer) == 4 and "full" in pub.last_bytes
+    assert sub.update(worker) == 4 and bits(worker) == bits(trainer)
+
+
+def test_a_second_publisher_that_wrote_the_same_version_is_noticed(tmp_path):
+    """Two Publishers racing on one target (an object store has no lock) both publish version 2; the second index
+    replaces the first. The version number is the one the first wrote, but not its bytes: its next publish is
+    refused."""
+    import dataclasses
+
+    from luopan.errors import UsageError
+
+    trainer = make_model(0)
+    a = luopan.sync.Publisher(tmp_path / "ch")
+    a.publish(0, trainer)
+    train_step(trainer, 1)
+    a.publish(1, trainer)
+    index_path = tmp_path / "ch" / "index.json"
+    mine = luopan.sync.index.parse_index(index_path.read_bytes())
+    theirs = dataclasses.replace(mine, created="2026-01-01T00:00:00Z")  # another writer's version 2
+    index_path.write_bytes(luopan.sync.index.encode_index(theirs, None))
+    train_step(trainer, 2)
+    with pytest.raises(UsageError, match="another Publisher"):
+        a.publish(2, trainer)
+
+
+def test_a_target_of_the_older_format_is_continued(tmp_path):
+    """An index.json of format_version 1 (before layered delta files): a Publisher goes on from its version with a
+    full version, and the old files are removed."""
+    import json
+
+    root = tmp_path / "ch"
+    (root / "deltas").mkdir(parents=True)
+    (root / "deltas" / "00000006-00000007-0123456789abcdef.lpsync").write_bytes(b"old")
+    (root / "index.json").write_text(json.dumps({"channel": "sync", "format": "luopan-sync-index",
+                                                 "format_version": 1, "version": 7}))
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(root)
+    assert pub.version == 7 and pub.publish(0, trainer) == 8
+    pub.wait()
+    assert not (root / "deltas" / "00000006-00000007-0123456789abcdef.lpsync").exists()
+    assert luopan.sync.Subscriber(root).update(worker) == 8 and bits(worker) == bits(trainer)
+
+
+def test_cleanup_leaves_a_newer_publishers_files(tmp_path):
+    """The removal after a publish runs without the lock: it never deletes a file of a later version than the
+    index it cleans up after."""
+    from luopan.sync.targets import _removable
+
+    keep = {"deltas/00000003-00000005-aa.lpsync", "full/00000004-bb.lpsync"}
+    assert not _removable("deltas/00000003-00000005-aa.lpsync", keep, 5)
+    assert _removable("deltas/00000002-00000004-cc.lpsync", keep, 5)
+    assert not _removable("deltas/00000004-00000006-dd.lpsync", keep, 5)  # a newer Publisher's
+    assert not _removable("full/00000006-ee.lpsync", keep, 5)
+    assert _removable("full/00000003-ff.lpsync", keep, 5)
+    assert not _removable("deltas/notes.txt", keep, 5)

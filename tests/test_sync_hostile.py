@@ -136,7 +136,8 @@ def header_mutations(draw: Any, sample: bytes) -> bytes:
         if draw(st.booleans()) and k in tdoc:
             del tdoc[k]
         else:
-            tdoc[k] = draw(st.one_of(VALUES, st.integers(-1, 1 << 20), st.sampled_from(["gaps", "gaps16", "bitmap", "whole"])))
+            tdoc[k] = draw(st.one_of(VALUES, st.integers(-1, 1 << 20),
+                                     st.sampled_from(["gaps", "gaps16", "bitmap", "whole"])))
     try:
         header = canonical(doc)
     except (ValueError, TypeError):

@@ -23,6 +23,7 @@ of the last ``keep`` versions.
 
 from __future__ import annotations
 
+import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 import time
@@ -31,7 +32,7 @@ from typing import Any
 import blake3
 
 from ..channel.index import FileRef, format_time
-from ..errors import UsageError
+from ..errors import CorruptChannelIndexError, UsageError
 from ..format.names import is_run_name
 from ..signing import SigningKey, load_signing_key
 from ..store import is_object_url
@@ -87,27 +88,37 @@ class Publisher:
         self._versions: list[SyncVersion] = []  # published by this Publisher, oldest first
         self._index: SyncIndex | None = None
         self._index_bytes = b""
+        self._attempt: tuple[SyncIndex, bytes] | None = None  # the index of a publish not known to have committed
         self.target = open_target(loc, storage_options)
         self.root = self.target.where  # the directory, or the object-store URL
         with self.target.lock():
             self.target.clear_temporaries()
-            self._index = self._read_index()
+            self._index, self._index_bytes = self._read_index()
         self.version = self._index.version if self._index is not None else 0
         self.last_bytes: dict[str, int] = {}  # what the last publish wrote: {"full": n, "deltas": n}
         self._cleanup: Future[None] | None = None  # the last publish's removal of files no index names
         self.changed = 0  # elements changed by the last publish
 
-    def _read_index(self) -> SyncIndex | None:
+    def _read_index(self) -> tuple[SyncIndex | None, bytes]:
+        """The index on the target and its bytes ((None, b"") when there is none). An index of an older format
+        (format_version 1) is taken as its version number only: this Publisher goes on from there with a full
+        version."""
         data = self.target.read_index()
         if data is None:
-            return None
+            return None, b""
         if self._index is not None and data == self._index_bytes:  # as this Publisher left it: parsed already
-            return self._index
-        index = parse_index(data, f"{self.root}/{INDEX_NAME}")
+            return self._index, data
+        try:
+            index = parse_index(data, f"{self.root}/{INDEX_NAME}")
+        except CorruptChannelIndexError:
+            old = _older_index(data, self.channel)
+            if old is None:
+                raise
+            index = old
         if index.channel != self.channel:
             raise UsageError(f"{self.root} holds live-sync channel {index.channel!r}, not {self.channel!r}: pass "
                              f"channel={index.channel!r} or publish to another target")
-        return index
+        return index, data
 
     def publish(self, step: int, model_or_state: Any) -> int:
         """Publish the weights of ``model_or_state`` (a module or a state dict of tensors) as the next version,
@@ -118,13 +129,20 @@ class Publisher:
         layout = [(lf.path, lf.dtype, tuple(lf.shape)) for lf in leaves]
         with self.target.lock():
             self.wait()
-            on_disk = self._read_index()
-            if (on_disk.version if on_disk is not None else 0) != self.version:
+            on_disk, raw = self._read_index()
+            if self._attempt is not None and raw == self._attempt[1]:
+                # the last publish failed after its index was placed (a directory sync, an object PUT whose answer
+                # was lost): that index is what subscribers see, so go on from it (with a full version: the failed
+                # publish reset what this Publisher had taken in)
+                self._index, self._index_bytes = self._attempt
+                self.version, self._versions = self._index.version, []
+            self._attempt = None
+            if raw != self._index_bytes:
                 raise UsageError(
                     f"the live-sync index in {self.root} is at version "
-                    f"{on_disk.version if on_disk is not None else 'none'}, not {self.version} as this Publisher "
-                    "left it: another Publisher published there (or the directory was changed). One Publisher per "
-                    "target: make a new Publisher to continue from what is there")
+                    f"{on_disk.version if on_disk is not None else 'none'}, not the version {self.version} this "
+                    "Publisher left there: another Publisher published there (or the target was changed). One "
+                    "Publisher per target: make a new Publisher to continue from what is there")
             try:
                 v = self.version + 1
                 fresh = layout != self._layout or v >= 2**31 - 1  # per-element stamps are int32
@@ -135,10 +153,11 @@ class Publisher:
                 else:
                     self.changed = self._pub.update(leaves, v)
                 kept = self._versions[-self.keep:]
+                newest_full = max((x.version for x in kept if x.full is not None), default=0)
                 bases = kept if self.spacing == "each" else \
-                    [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0]]
-                last_full = max((x.version for x in kept if x.full is not None), default=0)
-                want_full = fresh or v - last_full >= self.full_every
+                    [x for x in kept if (v - x.version) & (v - x.version - 1) == 0 or x is kept[0] or
+                     x.version == newest_full]  # a new worker reads the newest full version, then the delta from it
+                want_full = fresh or v - newest_full >= self.full_every
                 layers = list(range(v, kept[0].version, -1)) if kept else []  # newest first, to the oldest base + 1
                 bodies = [self._pub.layer(u, encode_body) for u in layers]
                 full_body = encode_body(self._pub.full_parts()) if want_full else None
@@ -170,7 +189,9 @@ class Publisher:
                 except BaseException:
                     self.target.abandon(staged)
                     raise
+                self._attempt = (index, data)
                 self.target.commit(files, staged, data)
+                self._attempt = None
                 prev, self._index, self._index_bytes = self._index, index, data
                 self._versions = [*kept, new]
                 self._pub.forget(self._versions[-self.keep:][0].version)
@@ -186,18 +207,34 @@ class Publisher:
     def wait(self) -> None:
         """Wait for the last publish's removal of the files that no index names any more (it runs in the
         background, after the publish returned)."""
-        if self._cleanup is not None:
-            self._cleanup.result()
-            self._cleanup = None
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup.result()
 
     def _remove_unlisted(self, index: SyncIndex, prev: SyncIndex | None) -> None:
         """Delete the ``.lpsync`` files neither ``index`` nor ``prev`` names (a subscriber that read ``prev`` still
         finds its file). Best effort: what a failure leaves is deleted by a later publish."""
         self.target.remove_unlisted({f.name for f in index.files()} |
-                                    ({f.name for f in prev.files()} if prev is not None else set()))
+                                    ({f.name for f in prev.files()} if prev is not None else set()), index.version)
 
 
 def _ref(folder: str, stem: str, data: bytes) -> FileRef:
     """The entry of a file named ``<folder>/<stem>-<first 16 hex digits of its BLAKE3>.lpsync``."""
     h = blake3.blake3(data, max_threads=blake3.blake3.AUTO if len(data) >= 1 << 22 else 1).hexdigest()
     return FileRef(f"{folder}/{stem}-{h[:16]}{SUFFIX}", len(data), h)
+
+
+def _older_index(data: bytes, channel: str) -> SyncIndex | None:
+    """An index of format_version 1 (luopan.sync before layered delta files) as an index of its version number
+    alone, or None when ``data`` is not one."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != "luopan-sync-index" or doc.get("format_version") != 1:
+        return None
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version < 2**31 - 1:
+        return None
+    name = doc.get("channel")
+    return SyncIndex(name if isinstance(name, str) else channel, version, "", "", (), (), None)

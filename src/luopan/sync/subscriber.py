@@ -140,7 +140,9 @@ class Subscriber:
                     raise CorruptDownloadError(
                         f"live-sync index at {self.source} lists no delta from its newest full version "
                         f"{full.version} to {latest.version}: it was not written by luopan.sync. Nothing was applied")
-                self._load(d.file, stage, full, latest)
+                # a delta from a version at or before the full one brings it to the newest (it carries every
+                # element changed since its own base, a superset of those changed since the full version)
+                self._load(d.file, stage, index.get(d.source), latest)
         result, digests = stage.fingerprint(_POOL)
         if result != latest.fingerprint:
             raise CorruptDownloadError(

@@ -123,9 +123,9 @@ class DirTarget:
         os.close(fd)
         return tmp
 
-    def remove_unlisted(self, keep: set[str]) -> None:
-        """Delete the ``.lpsync`` files not in ``keep``. Best effort: what a failure leaves, a later publish
-        deletes."""
+    def remove_unlisted(self, keep: set[str], newest: int) -> None:
+        """Delete the ``.lpsync`` files not in ``keep`` and not of a version after ``newest`` (a newer Publisher's).
+        Best effort: what a failure leaves, a later publish deletes."""
         for sub in (FULL_DIR, DELTA_DIR):
             d = os.path.join(self.root, sub)
             try:
@@ -133,7 +133,7 @@ class DirTarget:
             except OSError:
                 continue
             for name in names:
-                if f"{sub}/{name}" not in keep and name.endswith(SUFFIX) and TMP_MARK not in name:
+                if _removable(f"{sub}/{name}", keep, newest) and TMP_MARK not in name:
                     try:
                         _unlink(os.path.join(d, name))
                     except OSError:
@@ -182,15 +182,26 @@ class ObjectTarget:
             except OSError:
                 pass
 
-    def remove_unlisted(self, keep: set[str]) -> None:
+    def remove_unlisted(self, keep: set[str], newest: int) -> None:
         for sub in (FULL_DIR, DELTA_DIR):
             try:
                 keys = list(self.store.list(sub + "/"))
                 for key in keys:
-                    if key not in keep and key.endswith(SUFFIX):
+                    if _removable(key, keep, newest):
                         self.store.delete(key)
             except OSError:
                 continue
+
+
+def _removable(name: str, keep: set[str], newest: int) -> bool:
+    """Whether a file of the target may be deleted after the publish of version ``newest`` that keeps ``keep``: a
+    ``.lpsync`` file not kept, unless its name says it is of a later version (``full/<v>-…``,
+    ``deltas/<from>-<to>-…``: a newer Publisher's, published meanwhile)."""
+    if name in keep or not name.endswith(SUFFIX):
+        return False
+    parts = name.split("/", 1)[-1].split("-")
+    version = parts[0] if name.startswith(FULL_DIR + "/") else (parts[1] if len(parts) > 2 else "")
+    return not (version.isdigit() and int(version) > newest)
 
 
 def _place_index(tmp: str, path: str) -> None:

@@ -263,8 +263,15 @@ class Stage:
         base = self.whole.get(t.name)
         if base is not None:  # a delta over a staged full version: change the private copy
             base[idx] = vals
-        else:
-            self.elements.setdefault(t.name, []).append((idx, vals))
+            return
+        chunks = self.elements.setdefault(t.name, [])
+        chunks.append((idx, vals))
+        if sum(i.size for i, _v in chunks) > t.numel:  # more staged than the tensor holds: fold into one copy
+            whole = bits_of(self.leaves[t.name].obj).copy()
+            for i, v in chunks:
+                whole[i] = v
+            self.whole[t.name] = whole
+            del self.elements[t.name]
 
     def fingerprint(self, pool: Any = None) -> tuple[str, dict[str, str]]:
         """The fingerprint the live tensors will have after ``write``, and the new digests of the changed ones. A
@@ -283,7 +290,22 @@ class Stage:
         digests = dict(zip(paths, (pool.map if pool is not None and len(paths) > 1 else map)(changed, paths)))
         rows = [(path, lf.dtype, tuple(lf.shape), digests[path] if path in digests else cached_digest(lf))
                 for path, lf in self.leaves.items()]
+        self._check_ties({path: h for path, _d, _s, h in rows})
         return fingerprint_of(rows), digests
+
+    def _check_ties(self, digests: dict[str, str]) -> None:
+        """Paths that share memory in the live model (tied weights) must come out equal: else writing one would
+        change the other, and the live tensors would not be what was checked."""
+        groups: dict[tuple[int, int], list[str]] = {}
+        for path in digests:
+            t = self.leaves[path].obj
+            if t.numel():
+                groups.setdefault((t.data_ptr(), t.numel() * t.element_size()), []).append(path)
+        for paths in groups.values():
+            if len({digests[p] for p in paths}) > 1:
+                raise LayoutMismatchError(
+                    f"the model ties {paths[:4]} (one memory), but the update gives them different values: the "
+                    "publisher's model does not tie them. Nothing changed; tie them alike on both sides")
 
     def write(self, digests: dict[str, str]) -> None:
         """Write the staged values into the live tensors, in place (CPU: through a NumPy view of their memory, then
