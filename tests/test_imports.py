@@ -103,7 +103,7 @@ def test_the_core_imports_no_kind_and_kinds_import_no_other_kind():
 FORKED_IMPORTS = r"""
 import importlib, os, sys, traceback
 for pre in ("numpy", "torch", "zstandard", "blake3", "xxhash", "typer", "rich.console", "cryptography", "transformers",
-            "transformers.trainer_callback", "lightning", "langgraph", "langchain_core", "faiss", "safetensors"):
+            "lightning", "langgraph", "langchain_core", "faiss", "safetensors"):
     try:
         importlib.import_module(pre)
     except ImportError:
