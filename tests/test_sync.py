@@ -286,17 +286,22 @@ def test_a_later_layer_is_written_over_an_older_one(tmp_path, monkeypatch):
     assert sub.update(worker) == 4 and bits(worker) == bits(trainer)
 
 
+def _published(tmp_path, steps: int):
+    """A trainer that published ``steps`` versions (keep 4), a fresh worker model and a Subscriber."""
+    trainer, worker = make_model(0), make_model(1)
+    pub = luopan.sync.Publisher(tmp_path / "ch", keep=4)
+    for step in range(steps):
+        train_step(trainer, step)
+        pub.publish(step, trainer)
+    return trainer, worker, pub, luopan.sync.Subscriber(tmp_path / "ch")
+
+
 def test_a_failed_publish_starts_over_from_a_full_version(tmp_path, monkeypatch):
     """The index cannot be placed (a disk error): publish raises a typed error, the previous index stays, and the
     next publish writes a full version (what the failed one took in is not trusted), which workers follow."""
     from luopan.errors import StorageError
 
-    trainer, worker = make_model(0), make_model(1)
-    pub = luopan.sync.Publisher(tmp_path / "ch", keep=4)
-    sub = luopan.sync.Subscriber(tmp_path / "ch")
-    for step in range(3):
-        train_step(trainer, step)
-        pub.publish(step, trainer)
+    trainer, worker, pub, sub = _published(tmp_path, 3)
     sub.update(worker)
     train_step(trainer, 3)
 
@@ -575,12 +580,7 @@ def test_a_publish_whose_index_was_placed_before_it_failed_is_adopted(tmp_path, 
     Publisher goes on from it (with a full version) instead of refusing as if another Publisher had written."""
     from luopan.errors import StorageError
 
-    trainer, worker = make_model(0), make_model(1)
-    pub = luopan.sync.Publisher(tmp_path / "ch", keep=4)
-    sub = luopan.sync.Subscriber(tmp_path / "ch")
-    for step in range(2):
-        train_step(trainer, step)
-        pub.publish(step, trainer)
+    trainer, worker, pub, sub = _published(tmp_path, 2)
     real = luopan.sync.targets.fsync_dir
     calls = []
 
