@@ -242,34 +242,3 @@ def run_fp32(target_mib: float, workdir: str | None, log: Callable[[str], Any]) 
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    import sys
-
-    ap = argparse.ArgumentParser(description="P13's fp32 run alone (see the module docstring)")
-    ap.add_argument("--model-mib", type=float, default=256, help="fp32 weights in MiB (default 256, P13's --quick)")
-    ap.add_argument("--workdir")
-    ap.add_argument("--json", metavar="OUT")
-    args = ap.parse_args(argv)
-    r = run_fp32(args.model_mib, args.workdir, lambda m: print(m, file=sys.stderr, flush=True))
-    print(json.dumps({k: v for k, v in r.items() if k != "peers"}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
-            f.write("\n")
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, HERE)
-    try:
-        import luopan  # noqa: F401
-    except ImportError:  # a checkout without an installed luopan
-        sys.path.insert(1, os.path.join(os.path.dirname(HERE), "src"))
-    sys.exit(main())

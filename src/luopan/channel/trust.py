@@ -9,7 +9,7 @@ import blake3
 
 from ..errors import ChannelExpiredError, ChannelRollbackError
 from ..signing import TrustedKeys
-from .index import ChannelIndex, format_time, parse_index
+from .index import ChannelIndex, format_time, parse_index, parse_time
 from .state import DeviceState
 
 
@@ -30,18 +30,28 @@ def accept_index(data: bytes, where: str, trusted: TrustedKeys, state: DeviceSta
                 f"channel index {where} is of channel {index.channel!r}, but this device follows {state.channel!r} "
                 "(its state file): refusing an index of another channel. Use another --state file for another "
                 "channel")
-        if index.version < state.index_version:
-            raise ChannelRollbackError(
-                f"channel index {where} has version {index.version}, older than version {state.index_version} that "
-                "this device has already seen: a replayed old index (or a server serving a stale copy) is refused. "
-                "Nothing was written")
-        if index.version == state.index_version and blake3.blake3(data).hexdigest() != state.index_blake3:
-            raise ChannelRollbackError(
-                f"channel index {where} has version {index.version}, which this device has seen with other "
-                "contents: two different indexes with one version are refused (the publisher must publish anew)")
-    if now >= index.expires_at:
-        raise ChannelExpiredError(
-            f"channel index {where} (version {index.version}) expired at {index.expires}; it is now "
-            f"{format_time(now)}. A frozen or replayed index is refused: the publisher must publish again "
-            "(`luopan publish` of the same step renews the expiry). Nothing was written")
+    seen = (state.index_version, state.index_blake3) if state is not None else (0, "")  # versions start at 1
+    check_fresh(data, index.version, index.expires, *seen, now, f"channel index {where}", "this device",
+                "Nothing was written",
+                "the publisher must publish again (`luopan publish` of the same step renews the expiry)")
     return index
+
+
+def check_fresh(data: bytes, version: int, expires: str, seen_version: int, seen_blake3: str, now: float,
+                what: str, who: str, after: str, renew: str = "the publisher must publish again") -> None:
+    """TUF's rollback and freeze rules for a signed index (``data``, of ``version``, expiring at ``expires``), given
+    the newest one ``who`` accepted (``seen_version``, the BLAKE3 of its bytes; 0 when none): ChannelRollbackError
+    for an older version or other bytes under the same version, ChannelExpiredError once expired. Channels (§15.3)
+    and live sync (§19.2) both use it."""
+    if version < seen_version:
+        raise ChannelRollbackError(
+            f"{what} has version {version}, older than version {seen_version} that {who} has already seen: a "
+            f"replayed old index (or a server serving a stale copy) is refused. {after}")
+    if version == seen_version and blake3.blake3(data).hexdigest() != seen_blake3:
+        raise ChannelRollbackError(
+            f"{what} has version {version}, which {who} has seen with other contents: two different indexes with "
+            f"one version are refused. {after}")
+    if now >= parse_time(expires):
+        raise ChannelExpiredError(
+            f"{what} (version {version}) expired at {expires}; it is now {format_time(now)}. A frozen or replayed "
+            f"index is refused: {renew}. {after}")

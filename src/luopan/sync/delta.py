@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ..channel.index import _int, _is_int, _members  # the signed formats' member checks, shared
 from ..errors import CorruptDownloadError, UnsupportedFormatError
 from ..format.canonical import SealError, canonical, parse_object
 from ..format.limits import MAX_NDIM, shape_fits
@@ -338,21 +339,6 @@ def parse_delta(data: bytes, where: str = "delta", max_body: int | None = None
     n = held_layers(data, header, where)
     return header, [(layer, sections(read_body(data, layer, where, max_body), layer, where))
                     for layer in header.layers[:n]]
-
-
-def _members(obj: Any, members: set[str], what: str) -> None:
-    if not isinstance(obj, dict) or set(obj) != members:
-        raise ValueError(f"{what} does not have exactly the members {sorted(members)}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int(x: Any, what: str, lo: int, hi: int) -> int:
-    if not _is_int(x) or not lo <= x <= hi:
-        raise ValueError(f"{what} is {str(x)[:30]}, not an integer from {lo} to {hi}")
-    return int(x)
 
 
 def _fp(x: Any, what: str) -> str:

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
-
 from ..channel.index import (  # the channel index's checks, shared
     FileRef,
     _file,
@@ -20,11 +18,11 @@ from ..channel.index import (  # the channel index's checks, shared
     _list,
     _members,
     _time,
-    format_time,
     parse_signed_index,
     parse_time,
 )
-from ..errors import ChannelExpiredError, ChannelRollbackError
+from ..channel.trust import check_fresh
+from ..errors import ChannelRollbackError
 from ..format.canonical import canonical
 from ..format.names import is_run_name
 from ..signing import SigningKey, TrustedKeys
@@ -203,17 +201,6 @@ def accept_index(data: bytes, where: str, trusted: TrustedKeys | None, seen: See
     if want is not None and index.channel != want:
         raise ChannelRollbackError(f"live-sync index {where} is of channel {index.channel!r}, but this subscriber "
                                    f"follows {want!r}: refusing an index of another channel. Nothing was applied")
-    if index.version < seen.version:
-        raise ChannelRollbackError(
-            f"live-sync index {where} has version {index.version}, older than version {seen.version} that this "
-            "subscriber has already seen: a replayed old index (or a stale copy) is refused. Nothing was applied")
-    if index.version == seen.version and blake3.blake3(data).hexdigest() != seen.blake3:
-        raise ChannelRollbackError(
-            f"live-sync index {where} has version {index.version}, which this subscriber has seen with other "
-            "contents: two different indexes with one version are refused. Nothing was applied")
-    if now >= index.expires_at:
-        raise ChannelExpiredError(
-            f"live-sync index {where} (version {index.version}) expired at {index.expires}; it is now "
-            f"{format_time(now)}. A frozen or replayed index is refused: the publisher must publish again. "
-            "Nothing was applied")
+    check_fresh(data, index.version, index.expires, seen.version, seen.blake3, now, f"live-sync index {where}",
+                "this subscriber", "Nothing was applied")
     return index

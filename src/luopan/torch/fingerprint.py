@@ -42,13 +42,22 @@ def remember(t: Any, digest: str) -> None:
     """Record ``digest`` (BLAKE3 hex of its bytes) as the digest of tensor ``t`` as it is now: for a writer that
     knows what it wrote (luopan.sync hashes a staged copy before writing it in place), so the next fingerprint does
     not hash the tensor again. Any later in-place change moves the version counter and is hashed anew."""
-    if t.is_inference() or not t.numel():
-        return
-    storage = t.untyped_storage()
-    key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device),
-           t.is_conj(), t.is_neg())
+    if not t.is_inference() and t.numel():
+        _store(_key(t), t, digest)
+
+
+def _key(t: Any) -> tuple[Any, ...]:
+    """What identifies a tensor's bytes in the cache (with its storage and version counter)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device),
+            t.is_conj(), t.is_neg())
+
+
+def _store(key: tuple[Any, ...], t: Any, digest: str) -> None:
+    if len(_cache) > 100_000:  # drop the digests of storages that are gone
+        for k in [k for k, (ref, _v, _d) in _cache.items() if ref() is None]:
+            del _cache[k]
     try:
-        _cache[key] = (weakref.ref(storage), t._version, digest)
+        _cache[key] = (weakref.ref(t.untyped_storage()), t._version, digest)
     except TypeError:
         pass
 
@@ -57,19 +66,11 @@ def _digest(leaf: Any) -> str:
     t = leaf.obj
     key = None
     if leaf.kind == "torch" and not t.is_inference() and leaf.nbytes:
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device),
-               t.is_conj(), t.is_neg())
+        key = _key(t)
         hit = _cache.get(key)
-        if hit is not None and hit[0]() is storage and hit[1] == t._version:
+        if hit is not None and hit[0]() is t.untyped_storage() and hit[1] == t._version:
             return hit[2]
     digest = blake3.blake3(leaf.host_bytes()).hexdigest()
     if key is not None:
-        if len(_cache) > 100_000:  # drop the digests of storages that are gone
-            for k in [k for k, (ref, _v, _d) in _cache.items() if ref() is None]:
-                del _cache[k]
-        try:
-            _cache[key] = (weakref.ref(t.untyped_storage()), t._version, digest)
-        except TypeError:
-            pass
+        _store(key, t, digest)
     return digest
